@@ -1,0 +1,25 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The quick benchmark, in one command: ``python benchmark.py`` (``--help`` for options).
+
+This file runs as a script, never imported by ComfyUI. The pack root must not stay on sys.path
+(its ``nodes/`` would shadow ComfyUI's ``nodes`` module), so the pack is imported by file path
+under the name ``comfyui_controlnet_accelerator``.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+_spec = importlib.util.spec_from_file_location(
+    "comfyui_controlnet_accelerator", ROOT / "__init__.py", submodule_search_locations=[str(ROOT)]
+)
+_pack = importlib.util.module_from_spec(_spec)
+sys.modules["comfyui_controlnet_accelerator"] = _pack
+_spec.loader.exec_module(_pack)
+
+from comfyui_controlnet_accelerator.harness.quick import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The quick benchmark: stock ComfyUI and each technique, interleaved in one process.
+
+For each workload: generate (once) and load the random-weight models; prime stock (loads weights,
+encodes the prompts); run each variant once cold (first-run overhead: JIT build, graph capture,
+cache warm-up); then ``rounds`` rounds in which every variant runs on the same seed, one after
+the other, so host drift hits all variants alike; then one 20-step and one 10-step profiled run
+per variant on a GPU (their difference / 10 is the GPU-busy time and kernel launches per step).
+Prints a table, writes JSON and Markdown beside it. See shared/BENCHMARKS.md for the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+GPU_WORKLOADS = ["W0", "W1", "W2", "W3", "W4", "W5"]
+CPU_WORKLOADS = ["T0", "T1", "T2"]
+MiB = 1024 * 1024
+
+# A variant rewires the stock prompt in place: extra(prompt, ids). ``None`` is stock ComfyUI.
+VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {"stock": None}
+
+
+@dataclass
+class Row:
+    workload: str
+    variant: str
+    ms_step_median: float
+    ms_step_min: float
+    ms_step_max: float
+    run_medians_ms: list[float]
+    wall_s_median: float
+    first_run_s: float
+    first_run_overhead_s: float
+    psnr_vs_stock_db: float | None
+    gpu_busy_ms_step: float | None = None
+    launches_step: float | None = None
+    peak_allocated_mib: float | None = None
+    peak_reserved_mib: float | None = None
+    resident_mib: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Progress:
+    """One line on stderr, rewritten in place: where the benchmark is and how far it has come."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        el = time.perf_counter() - self.t0
+        msg = f"[{self.done}/{self.total}] {el:6.1f}s  {what}"
+        if self.tty:
+            sys.stderr.write("\r\033[K" + msg)
+        else:
+            sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+
+    def note(self, msg: str) -> None:
+        sys.stderr.write(("\r\033[K" if self.tty else "") + msg + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def environment() -> dict:
+    import torch
+
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "allocator": (
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "native")
+            if torch.cuda.is_available()
+            else "n/a (CPU)"
+        ),
+    }
+    try:
+        import comfyui_version
+
+        env["comfyui"] = comfyui_version.__version__
+    except ImportError:
+        env["comfyui"] = "unknown"
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        try:
+            import subprocess
+
+            env["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+        except Exception:
+            env["driver"] = "unknown"
+    return env
+
+
+def run_workload(
+    wid: str,
+    variants: list[str],
+    rounds: int,
+    profile: bool,
+    steps: int | None,
+    models_dir: Path,
+    prog: Progress,
+) -> list[Row]:
+    import folder_paths
+    import torch
+
+    from . import random_models, runner, workflows
+
+    wl = workflows.WORKLOADS[wid]
+    if steps is not None:
+        wl = wl.with_(steps=steps)
+
+    def report(name, done, total):
+        prog.note(f"  generating {name}: {100 * done / total:5.1f}%") if done == total else None
+
+    random_models.ensure_models(wl.models(), models_dir, progress=report, log=prog.note)
+    hints = workflows.write_hint_images(folder_paths.get_input_directory(), wl)
+    r = runner.Runner()
+
+    def run(variant: str, seed: int, *, steps_override=None, prof=False):
+        w = wl if steps_override is None else wl.with_(steps=steps_override)
+        p, ids = workflows.build_prompt(w, seed, hints, VARIANTS[variant])
+        return r.run(p, ids, profile=prof)
+
+    prime = run("stock", 1000)
+    prog.step(f"{wid} primed (load + encode) in {prime.wall_s:.1f}s")
+    first: dict[str, float] = {}
+    for v in variants:
+        first[v] = run(v, 1001).wall_s
+        prog.step(f"{wid} {v} first run {first[v]:.2f}s")
+    per_run: dict[str, list] = {v: [] for v in variants}
+    for k in range(rounds):
+        stock_latent = None
+        for v in variants:
+            res = run(v, 2000 + k)
+            if v == "stock":
+                stock_latent = res.latent
+            per_run[v].append(res)
+            prog.step(
+                f"{wid} {v} round {k + 1}/{rounds}: {statistics.median(res.step_ms):.2f} ms/step"
+            )
+        for v in variants:
+            ref = stock_latent if stock_latent is not None else None
+            per_run[v][-1].extra["psnr"] = (
+                runner.psnr(ref, per_run[v][-1].latent) if ref is not None else None
+            )
+    busy: dict[str, tuple] = {}
+    if profile and r.cuda:
+        for v in variants:
+            a = run(v, 3000, prof=True)
+            b = run(v, 3001, steps_override=max(1, wl.steps // 2), prof=True)
+            n = wl.steps - max(1, wl.steps // 2)
+            busy[v] = ((a.gpu_busy_ms - b.gpu_busy_ms) / n, (a.kernels - b.kernels) / n)
+            prog.step(
+                f"{wid} {v} profiled: {busy[v][0]:.2f} GPU-ms/step, {busy[v][1]:.0f} launches/step"
+            )
+
+    rows = []
+    for v in variants:
+        runs = per_run[v]
+        meds = [statistics.median(x.step_ms) for x in runs]
+        walls = [x.wall_s for x in runs]
+        psnrs = [x.extra["psnr"] for x in runs if x.extra.get("psnr") is not None]
+        row = Row(
+            workload=wid,
+            variant=v,
+            ms_step_median=statistics.median(meds),
+            ms_step_min=min(meds),
+            ms_step_max=max(meds),
+            run_medians_ms=[round(m, 3) for m in meds],
+            wall_s_median=statistics.median(walls),
+            first_run_s=first[v],
+            first_run_overhead_s=first[v] - statistics.median(walls),
+            psnr_vs_stock_db=min(psnrs) if psnrs else None,
+        )
+        if r.cuda:
+            row.peak_allocated_mib = max(x.peak_allocated for x in runs) / MiB
+            row.peak_reserved_mib = max(x.peak_reserved for x in runs) / MiB
+            row.resident_mib = statistics.median(x.resident_bytes for x in runs) / MiB
+        if v in busy:
+            row.gpu_busy_ms_step, row.launches_step = busy[v]
+        row.extra["latent_std"] = float(runs[-1].latent.std())
+        row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
+        rows.append(row)
+    import comfy.model_management
+
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+    return rows
+
+
+def _f(x, fmt="{:.2f}"):
+    return "—" if x is None else ("∞" if x == float("inf") else fmt.format(x))
+
+
+def table(rows: list[Row], wl_info: dict) -> str:
+    head = (
+        "| workload | variant | ms/step median (min–max) | GPU-busy ms/step | launches/step "
+        "| peak alloc MiB (resident) | peak reserved MiB | first-run overhead s "
+        "| PSNR vs stock dB |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r.workload} ({wl_info[r.workload]}) | {r.variant} | {r.ms_step_median:.2f} "
+            f"({r.ms_step_min:.2f}–{r.ms_step_max:.2f}) | {_f(r.gpu_busy_ms_step)} | "
+            f"{_f(r.launches_step, '{:.0f}')} | {_f(r.peak_allocated_mib, '{:.0f}')} "
+            f"({_f(r.resident_mib, '{:.0f}')}) | {_f(r.peak_reserved_mib, '{:.0f}')} | "
+            f"{r.first_run_overhead_s:.2f} | {_f(r.psnr_vs_stock_db, '{:.1f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", help="comma list (default: W0..W5 on a GPU, T0..T2 on a CPU)")
+    ap.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS)
+    )
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved warm rounds (default 3)")
+    ap.add_argument("--steps", type=int, help="override the workloads' step count")
+    ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler runs")
+    ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
+    ap.add_argument(
+        "--models-dir",
+        type=Path,
+        help="where generated models live "
+        "(default $CNA_MODELS_DIR or ~/.cache/comfyui-controlnet-accelerator/models)",
+    )
+    ap.add_argument(
+        "--out", type=Path, default=Path("bench-results"), help="folder for JSON + table"
+    )
+    ap.add_argument(
+        "--native-allocator",
+        action="store_true",
+        help="keep PyTorch's native allocator instead of ComfyUI's cudaMallocAsync default",
+    )
+    a = ap.parse_args(argv)
+
+    from . import comfy_host, random_models
+
+    models_dir = a.models_dir or random_models.default_models_dir()
+    host = comfy_host.bootstrap(
+        cpu=True if a.cpu else None, models_dir=models_dir, cuda_malloc=not a.native_allocator
+    )
+    import comfy.utils
+
+    comfy.utils.set_progress_bar_enabled(False)
+    from .workflows import WORKLOADS
+
+    wids = a.workloads.split(",") if a.workloads else (CPU_WORKLOADS if host.cpu else GPU_WORKLOADS)
+    variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS] + [w for w in wids if w not in WORKLOADS]
+    if unknown:
+        ap.error(f"unknown workload/variant: {unknown}")
+    if "stock" not in variants:
+        variants.insert(0, "stock")
+    profile = not a.no_profile and not host.cpu
+    per_wl = 1 + len(variants) * (1 + a.rounds + (1 if profile else 0))
+    prog = Progress(per_wl * len(wids))
+    env = environment()
+    prog.note(
+        f"ComfyUI {env.get('comfyui')} at {host.root}; torch {env['torch']}; "
+        f"{env.get('gpu', 'CPU')}; allocator {env['allocator']}"
+    )
+    rows: list[Row] = []
+    for wid in wids:
+        rows.extend(run_workload(wid, variants, a.rounds, profile, a.steps, models_dir, prog))
+    prog.close()
+    wl_info = {w: _describe(WORKLOADS[w], a.steps) for w in wids}
+    out = a.out
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    text = table(rows, wl_info)
+    payload = {
+        "environment": env,
+        "workloads": wl_info,
+        "rounds": a.rounds,
+        "rows": [asdict(r) for r in rows],
+    }
+    (out / f"quick-{stamp}.json").write_text(json.dumps(payload, indent=1))
+    (out / f"quick-{stamp}.md").write_text(f"Environment: {json.dumps(env)}\n\n{text}\n")
+    print(f"\n{text}\n\nwritten: {out / f'quick-{stamp}.json'} and .md")
+    bad = [f"{r.workload}/{r.variant}" for r in rows if not r.extra["finite"]]
+    if bad:
+        print(f"non-finite latents in {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _describe(wl, steps) -> str:
+    from .random_models import SPECS
+
+    arch = SPECS[wl.checkpoint].arch
+    return f"{arch} {wl.width}², {len(wl.controlnets)} CN, {steps or wl.steps} steps"

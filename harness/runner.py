@@ -1,0 +1,193 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Run API-format workflows in-process through ComfyUI's real executor (``PromptExecutor``).
+
+Serves the host tests and the benchmark: returns the sampler's output latent (and the decoded
+image when the workflow decodes), per-step times taken at ComfyUI's own progress hook (CUDA events
+on a GPU, so each interval is one step on the GPU's timeline), peak VRAM, and optionally a
+torch.profiler summary (GPU-busy time and kernel launches).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+
+class WorkflowFailed(RuntimeError):
+    pass
+
+
+class _HeadlessServer:
+    """The few attributes ``execution.py`` and ``comfy_execution.progress`` touch on the server."""
+
+    client_id = None
+    last_node_id = None
+    last_prompt_id = None
+    sockets_metadata: dict = {}
+
+    def send_sync(self, *args, **kwargs):
+        pass
+
+    def queue_updated(self):
+        pass
+
+
+@dataclass
+class RunResult:
+    latent: torch.Tensor  # the KSampler's output latent, float32 on the CPU
+    image: torch.Tensor | None  # the decoded IMAGE (B, H, W, C) when the workflow decodes
+    step_ms: list[float]  # one interval per step after the first
+    wall_s: float  # the whole prompt's execution, host clock
+    resident_bytes: int | None = None  # allocated when the prompt started (weights kept loaded)
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    gpu_busy_ms: float | None = None  # union of kernel intervals over the whole prompt
+    kernels: int | None = None  # kernel launches over the whole prompt
+    extra: dict = field(default_factory=dict)
+
+
+class Runner:
+    """One ComfyUI executor with its node cache, so loaders and text encodes run once."""
+
+    def __init__(self):
+        import execution
+
+        self.executor = execution.PromptExecutor(
+            _HeadlessServer(), cache_type=execution.CacheType.CLASSIC
+        )
+        self.cuda = torch.cuda.is_available() and not _comfy_cpu()
+
+    def run(self, prompt: dict, ids: dict, *, profile: bool = False) -> RunResult:
+        import asyncio
+
+        import comfy.utils
+        import execution
+
+        ok, err, outputs, node_errors = asyncio.run(
+            execution.validate_prompt(str(uuid.uuid4()), prompt, None)
+        )
+        if not ok:
+            raise WorkflowFailed(f"workflow does not validate: {err}; {node_errors}")
+
+        sampler_id = ids["sampler"]
+        marks: list = []
+
+        def hook(value, total, preview, node_id=None):
+            if node_id is not None and str(node_id) != str(sampler_id):
+                return
+            if self.cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                marks.append(ev)
+            else:
+                marks.append(time.perf_counter())
+
+        old_hook = comfy.utils.PROGRESS_BAR_HOOK
+        comfy.utils.set_progress_bar_global_hook(hook)
+        resident = peak_a = peak_r = None
+        if self.cuda:
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        prof = None
+        try:
+            t0 = time.perf_counter()
+            if profile and self.cuda:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as tprofile
+
+                with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                    self.executor.execute(prompt, str(uuid.uuid4()), {}, outputs)
+                    torch.cuda.synchronize()
+            else:
+                self.executor.execute(prompt, str(uuid.uuid4()), {}, outputs)
+                if self.cuda:
+                    torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        finally:
+            comfy.utils.set_progress_bar_global_hook(old_hook)
+        if not self.executor.success:
+            raise WorkflowFailed(_error_text(self.executor.status_messages))
+        if self.cuda:
+            peak_a = torch.cuda.max_memory_allocated()
+            peak_r = torch.cuda.max_memory_reserved()
+            step_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
+        else:
+            step_ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+
+        latent = self.output_of(ids["sampler"])[0]["samples"].float().cpu()
+        image = None
+        if "decode" in ids:
+            image = self.output_of(ids["decode"])[0].float().cpu()
+        res = RunResult(latent, image, step_ms, wall, resident, peak_a, peak_r)
+        if prof is not None:
+            res.gpu_busy_ms, res.kernels = _kernel_summary(prof)
+        return res
+
+    def output_of(self, node_id: str) -> list:
+        """The cached outputs of a node from the last run (one list entry per output slot)."""
+        entry = self.executor.caches.outputs.get(str(node_id))
+        if entry is None:
+            raise WorkflowFailed(f"node {node_id} produced no output")
+        outs = getattr(entry, "outputs", entry)
+        return [o[0] if isinstance(o, list) and len(o) == 1 else o for o in outs]
+
+
+def _comfy_cpu() -> bool:
+    from comfy.cli_args import args
+
+    return bool(args.cpu)
+
+
+def _error_text(messages) -> str:
+    for event, data in messages:
+        if event == "execution_error":
+            tb = "".join(data.get("traceback", []))
+            return (
+                f"node {data.get('node_id')} ({data.get('node_type')}) failed: "
+                f"{data.get('exception_type')}: {data.get('exception_message')}\n{tb}"
+            )
+        if event == "execution_interrupted":
+            return f"interrupted at node {data.get('node_id')}"
+    return "workflow failed without an error message"
+
+
+def _kernel_summary(prof) -> tuple[float, int]:
+    """GPU-busy ms (union of device intervals) and the number of kernel launches."""
+    from torch.autograd import DeviceType
+
+    spans = []
+    kernels = 0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        spans.append((e.time_range.start, e.time_range.end))
+        name = e.name.lower()
+        if not (name.startswith("memcpy") or name.startswith("memset")):
+            kernels += 1
+    spans.sort()
+    busy = 0.0
+    cur_s = cur_e = None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    return busy / 1e3, kernels
+
+
+def psnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """10·log10(range(ref)² / MSE) in dB; inf when identical."""
+    ref = ref.double()
+    mse = torch.mean((ref - x.double()) ** 2).item()
+    if mse == 0:
+        return float("inf")
+    rng = (ref.max() - ref.min()).item()
+    return 10.0 * torch.log10(torch.tensor(rng * rng / mse)).item()

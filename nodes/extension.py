@@ -1,0 +1,24 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The V3 extension object that ComfyUI asks for the pack's node list."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from ..logger import logger
+
+PREFIX = "CNA_"
+CATEGORY = "ControlNet Accelerator"
+
+
+def node_classes() -> list[type[io.ComfyNode]]:
+    """Every node the pack registers, in the order ComfyUI's search shows them."""
+    return []
+
+
+class ControlNetAcceleratorExtension(ComfyExtension):
+    async def on_load(self) -> None:
+        logger.debug("ControlNet Accelerator extension loaded")
+
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return node_classes()

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: GPL-3.0-or-later
+# Run on the lent GPU machine (the device tool), from the repository root, with `.comfy` (a
+# ComfyUI tree) and `.whl` (wheels the machine lacks: torchsde, trampoline, av) carried along.
+#   bash tools/gpu.sh tests [pytest args]     host tests on the GPU
+#   bash tools/gpu.sh bench [benchmark args]  the quick benchmark, results under $OUT
+set -uo pipefail
+OUT=${OUT:-/tmp/cna-out}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export COMFYUI_PATH=${COMFYUI_PATH:-$PWD/.comfy/ComfyUI}
+export CNA_MODELS_DIR=${CNA_MODELS_DIR:-/tmp/cna_models}
+export PYTHONUNBUFFERED=1
+what=${1:-}; shift || true
+case "$what" in
+  tests) CNA_TEST_GPU=1 python3 -m pytest -q "$@" ;;
+  bench) python3 benchmark.py --out "$OUT" "$@" ;;
+  *) echo "usage: tools/gpu.sh tests|bench [args]" >&2; exit 2 ;;
+esac
