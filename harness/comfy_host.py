@@ -23,6 +23,14 @@ class ComfyUINotFound(RuntimeError):
     pass
 
 
+def default_models_dir() -> Path:
+    """Where generated random-weight models are cached: $CNA_MODELS_DIR or the user cache."""
+    env = os.environ.get("CNA_MODELS_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path("~/.cache/comfyui-controlnet-accelerator/models").expanduser()
+
+
 def _looks_like_comfyui(path: Path) -> bool:
     return (path / "comfy" / "model_management.py").is_file() and (path / "nodes.py").is_file()
 
@@ -90,7 +98,10 @@ def bootstrap(
 
     if cuda_malloc and cpu is not True and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # main.py imports cuda_malloc before torch, which picks cudaMallocAsync on supported GPUs.
-        import cuda_malloc  # noqa: F401
+        # Once torch is imported the allocator backend is fixed (changing the variable then makes
+        # CUDA's init fail), so a host started after torch keeps the native allocator.
+        if "torch" not in sys.modules:
+            import cuda_malloc  # noqa: F401
 
     import torch
 

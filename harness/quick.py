@@ -88,9 +88,7 @@ def environment() -> dict:
         "host": platform.node(),
         "cpu_count": os.cpu_count(),
         "allocator": (
-            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "native")
-            if torch.cuda.is_available()
-            else "n/a (CPU)"
+            torch.cuda.memory.get_allocator_backend() if torch.cuda.is_available() else "n/a (CPU)"
         ),
     }
     try:
@@ -260,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = ap.parse_args(argv)
 
-    from . import comfy_host, random_models
+    from . import comfy_host  # torch-free: the allocator is chosen before torch is imported
 
-    models_dir = a.models_dir or random_models.default_models_dir()
+    models_dir = a.models_dir or comfy_host.default_models_dir()
     host = comfy_host.bootstrap(
         cpu=True if a.cpu else None, models_dir=models_dir, cuda_malloc=not a.native_allocator
     )

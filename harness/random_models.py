@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from .comfy_host import default_models_dir
+
 GENERATOR_VERSION = "1"
 CONTROL_GAIN = 0.5
 RESIDUAL_OUT_GAIN = 0.5
@@ -144,13 +146,6 @@ SPECS: dict[str, ModelSpec] = {
         ModelSpec("sdxl-cn-b", "sdxl", "controlnet", seed=2002),
     )
 }
-
-
-def default_models_dir() -> Path:
-    env = os.environ.get("CNA_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path("~/.cache/comfyui-controlnet-accelerator/models").expanduser()
 
 
 # ---------------------------------------------------------------------------------------------
