@@ -27,8 +27,24 @@ GPU_WORKLOADS = ["W0", "W1", "W2", "W3", "W4", "W5"]
 CPU_WORKLOADS = ["T0", "T1", "T2"]
 MiB = 1024 * 1024
 
+
+def _insert_model_node(class_type: str, **inputs) -> Callable[[dict, dict], None]:
+    """A variant that puts one MODEL -> MODEL node between the checkpoint and the sampler."""
+
+    def extra(p: dict, ids: dict) -> None:
+        nid = str(max(int(k) for k in p) + 1)
+        p[nid] = {"class_type": class_type, "inputs": {"model": [ids["ckpt"], 0], **inputs}}
+        p[ids["sampler"]]["inputs"]["model"] = [nid, 0]
+        ids[class_type] = nid
+
+    return extra
+
+
 # A variant rewires the stock prompt in place: extra(prompt, ids). ``None`` is stock ComfyUI.
-VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {"stock": None}
+VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {
+    "stock": None,
+    "cuda_graph": _insert_model_node("CNA_CUDAGraph", enabled=True, max_graphs=8, verify=False),
+}
 
 
 @dataclass
@@ -201,6 +217,8 @@ def run_workload(
         if v in busy:
             row.gpu_busy_ms_step, row.launches_step = busy[v]
         row.extra["latent_std"] = float(runs[-1].latent.std())
+        if v != "stock":
+            row.extra["graph_totals"] = _graph_totals()
         row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
         rows.append(row)
     import comfy.model_management
@@ -208,6 +226,16 @@ def run_workload(
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
     return rows
+
+
+def _graph_totals() -> dict | None:
+    """The CUDA Graph Sampler's process-wide counters, to show the graph path really ran."""
+    from . import comfy_host
+
+    try:
+        return dict(comfy_host.pack_module().nodes.cuda_graph.TOTALS)
+    except Exception:
+        return None
 
 
 def _f(x, fmt="{:.2f}"):

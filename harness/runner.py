@@ -60,7 +60,8 @@ class Runner:
         )
         self.cuda = torch.cuda.is_available() and not _comfy_cpu()
 
-    def run(self, prompt: dict, ids: dict, *, profile: bool = False) -> RunResult:
+    def run(self, prompt: dict, ids: dict, *, profile: bool = False, on_step=None) -> RunResult:
+        """Execute ``prompt``; ``on_step(i)`` is called at the sampler's step i (1-based)."""
         import asyncio
 
         import comfy.utils
@@ -84,6 +85,8 @@ class Runner:
                 marks.append(ev)
             else:
                 marks.append(time.perf_counter())
+            if on_step is not None:
+                on_step(len(marks))
 
         old_hook = comfy.utils.PROGRESS_BAR_HOOK
         comfy.utils.set_progress_bar_global_hook(hook)

@@ -13,7 +13,9 @@ CATEGORY = "ControlNet Accelerator"
 
 def node_classes() -> list[type[io.ComfyNode]]:
     """Every node the pack registers, in the order ComfyUI's search shows them."""
-    return []
+    from .nodes_cuda_graph import NODES as GRAPH_NODES
+
+    return [*GRAPH_NODES]
 
 
 class ControlNetAcceleratorExtension(ComfyExtension):

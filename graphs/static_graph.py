@@ -1,0 +1,286 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Capture a function into a CUDA graph once per input signature and replay it.
+
+``GraphCache.run(key, fn, inputs)`` is the whole interface:
+- the first call for a ``key`` copies ``inputs`` into static buffers, runs ``fn`` eagerly on a
+  side stream (warm-up: cuBLAS/cuDNN handles, lazy inits; its result is this call's answer),
+  then captures ``fn`` on those buffers into a ``torch.cuda.CUDAGraph``;
+- later calls copy the new inputs into the static buffers, replay, and return a clone of the
+  static output (so nothing the caller keeps is overwritten by the next replay);
+- any exception during warm-up or capture ends the capture cleanly, marks the key as failed with
+  the reason (logged once), and every later call for that key runs ``fn`` eagerly: a failing
+  signature is never retried every step;
+- ``verify=True`` replays once right after capture and compares with the eager result; a
+  mismatch beyond ``verify_tol`` marks the key failed and the eager result is used;
+- at most ``max_graphs`` graphs are kept (least recently used go first); all share one memory
+  pool, which is safe because replays never run concurrently and each graph recomputes its
+  intermediates on every replay.
+
+Capture uses ``capture_error_mode="thread_local"`` so that other host threads (previews, the UI
+server) calling CUDA during a capture do not invalidate it.
+
+The ``emulate`` backend runs the same bookkeeping on any device without CUDA graphs: "replay"
+calls ``fn`` on the static buffers. CPU tests use it to check that the caller refreshes every
+static buffer it should, which real replays would otherwise silently read stale.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..logger import logger
+
+
+class CaptureFailed(RuntimeError):
+    """Capture (or its warm-up or verification) failed; the reason is in the message."""
+
+
+def backend_name(device: torch.device | None = None) -> str:
+    """``cuda`` when real CUDA graphs can be used for ``device``, else ``none``.
+
+    ``$CNA_GRAPH_BACKEND=emulate`` selects the emulation on any device (tests), ``=none`` turns
+    graphs off everywhere.
+    """
+    forced = os.environ.get("CNA_GRAPH_BACKEND")
+    if forced in ("cuda", "emulate", "none"):
+        return forced
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        return "cuda"
+    return "none"
+
+
+@dataclass
+class GraphEntry:
+    """One captured signature: static inputs, the graph, its static output."""
+
+    key: Hashable
+    static_inputs: list[torch.Tensor]
+    static_output: torch.Tensor | None
+    graph: object  # torch.cuda.CUDAGraph (None when emulated)
+    capture_s: float
+    replays: int = 0
+    # Caller-owned extras captured by address (e.g. per-ControlNet hint and strength buffers).
+    extras: dict = field(default_factory=dict)
+
+
+class GraphCache:
+    def __init__(self, name: str, max_graphs: int = 8, backend: str = "cuda"):
+        if max_graphs < 1:
+            raise ValueError("max_graphs must be at least 1")
+        self.name = name
+        self.max_graphs = max_graphs
+        self.backend = backend
+        self.entries: OrderedDict[Hashable, GraphEntry] = OrderedDict()
+        self.failed: dict[Hashable, str] = {}
+        self._pool = None
+        self._stream = None
+        self.capturing = False  # True while fn runs for a capture (tests inject faults on it)
+        self.captures = 0
+        self.total_capture_s = 0.0
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def lookup(self, key: Hashable) -> GraphEntry | None:
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+        return entry
+
+    def mark_failed(self, key: Hashable, reason: str) -> None:
+        if key not in self.failed:
+            logger.warning(
+                "%s: CUDA graph disabled for this input signature, running eager: %s",
+                self.name,
+                reason,
+            )
+        self.failed[key] = reason
+
+    def evict(self, predicate: Callable[[GraphEntry], bool], reason: str) -> int:
+        gone = [k for k, e in self.entries.items() if predicate(e)]
+        for k in gone:
+            self._drop(k)
+        if gone:
+            logger.info("%s: dropped %d CUDA graph(s): %s", self.name, len(gone), reason)
+        return len(gone)
+
+    def clear(self, reason: str = "cleared") -> None:
+        self.evict(lambda e: True, reason)
+        self.failed.clear()
+
+    def _drop(self, key: Hashable) -> None:
+        entry = self.entries.pop(key)
+        if hasattr(entry.graph, "reset"):
+            entry.graph.reset()
+        entry.static_inputs.clear()
+        entry.static_output = None
+        entry.extras.clear()
+
+    # -- running -------------------------------------------------------------------------------
+
+    def replay(
+        self,
+        entry: GraphEntry,
+        inputs: Sequence[torch.Tensor],
+        fn: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Copy inputs into the static buffers, replay, return a fresh copy of the output.
+
+        ``fn`` matters only to the emulate backend, which calls it (default: the captured
+        function) on the static buffers where a real replay would run the recorded kernels.
+        """
+        for dst, src in zip(entry.static_inputs, inputs, strict=True):
+            if dst is not src:
+                dst.copy_(src)
+        if self.backend == "cuda":
+            entry.graph.replay()
+        else:
+            if fn is None:
+                raise ValueError("the emulate backend replays by calling fn: pass it")
+            entry.static_output = fn(*entry.static_inputs)
+        entry.replays += 1
+        return entry.static_output.clone()
+
+    def capture(
+        self,
+        key: Hashable,
+        fn: Callable[..., torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        *,
+        extras: dict | None = None,
+        warmup: int = 1,
+        verify: bool = False,
+        verify_tol: float = 1e-3,
+        prepare: Callable[[GraphEntry], None] | None = None,
+    ) -> tuple[GraphEntry, torch.Tensor]:
+        """Capture ``fn`` for ``key``; returns the entry and this call's (eager) result.
+
+        ``prepare(entry)`` runs after the static buffers exist and before warm-up, so the caller
+        can point its own objects at ``entry.extras`` buffers. Raises ``CaptureFailed``.
+        """
+        t0 = time.perf_counter()
+        static = [t.detach().clone() for t in inputs]
+        entry = GraphEntry(key, static, None, None, 0.0, extras=dict(extras or {}))
+        if prepare is not None:
+            prepare(entry)
+        if self.backend == "cuda":
+            eager = self._capture_cuda(entry, fn, warmup)
+        else:
+            eager = fn(*static)
+            self.capturing = True
+            try:
+                entry.static_output = fn(*static)
+            except Exception as e:
+                raise CaptureFailed(f"capture: {type(e).__name__}: {e}") from e
+            finally:
+                self.capturing = False
+            entry.graph = None  # keeping fn would keep everything it closes over alive
+        if verify:
+            got = self.replay(entry, static, fn)
+            err = _rel_err(got, eager)
+            if not err <= verify_tol:  # also catches NaN
+                if hasattr(entry.graph, "reset"):
+                    entry.graph.reset()
+                raise CaptureFailed(
+                    f"verify: first replay differs from eager by {err:.3g} (relative L2) "
+                    f"> {verify_tol:g}"
+                )
+        entry.capture_s = time.perf_counter() - t0
+        self.entries[key] = entry
+        self.captures += 1
+        self.total_capture_s += entry.capture_s
+        while len(self.entries) > self.max_graphs:
+            oldest = next(iter(self.entries))
+            self._drop(oldest)
+            logger.info(
+                "%s: evicted the least recently used CUDA graph (max_graphs=%d)",
+                self.name,
+                self.max_graphs,
+            )
+        return entry, eager
+
+    def _capture_cuda(self, entry: GraphEntry, fn, warmup: int) -> torch.Tensor:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        side = self._stream
+        cur = torch.cuda.current_stream()
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            eager = None
+            for _ in range(max(1, warmup)):
+                eager = fn(*entry.static_inputs)
+        cur.wait_stream(side)
+        torch.cuda.synchronize()
+        gc.collect()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            self.capturing = True
+            try:
+                out = fn(*entry.static_inputs)
+            except BaseException as e:
+                self.capturing = False
+                _end_failed_capture(graph)
+                raise CaptureFailed(f"capture: {type(e).__name__}: {e}") from e
+            self.capturing = False
+            try:
+                graph.capture_end()
+            except Exception as e:
+                raise CaptureFailed(f"capture_end: {type(e).__name__}: {e}") from e
+        cur.wait_stream(side)
+        entry.graph = graph
+        entry.static_output = out
+        return eager
+
+    def run(
+        self,
+        key: Hashable,
+        fn: Callable[..., torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        **capture_kw,
+    ) -> torch.Tensor:
+        """Replay the graph for ``key``, capturing it first if needed; eager if ``key`` failed."""
+        if key in self.failed:
+            return fn(*inputs)
+        entry = self.lookup(key)
+        if entry is not None:
+            return self.replay(entry, inputs, fn)
+        try:
+            _, out = self.capture(key, fn, inputs, **capture_kw)
+            return out
+        except CaptureFailed as e:
+            self.mark_failed(key, str(e))
+        except Exception as e:  # warm-up raised: the eager path will raise it again if real
+            self.mark_failed(key, f"warm-up: {type(e).__name__}: {e}")
+        return fn(*inputs)
+
+
+def _end_failed_capture(graph) -> None:
+    """End a capture whose body raised, so the stream leaves capture mode whatever happened."""
+    try:
+        graph.capture_end()
+    except Exception:
+        pass
+    try:
+        graph.reset()
+    except Exception:
+        pass
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # a sticky CUDA error cannot be mended here; say so once
+        logger.error("CUDA reported an error after a failed graph capture: %s", e)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a = a.double()
+    b = b.double()
+    den = b.norm().item()
+    return (a - b).norm().item() / (den if den > 0 else 1.0)

@@ -1,0 +1,587 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""CUDA Graph Sampler: capture the UNet + ControlNet step of a ComfyUI model in CUDA graphs.
+
+How it hooks into ComfyUI (ModelPatcher wrappers only, no ComfyUI file is touched):
+
+- ``CALC_COND_BATCH`` wrapper: swaps each control object in the conds for a memoised proxy, so
+  cond/uncond still batch together (ComfyUI batches on ``control is control``) but the proxy's
+  ``get_control`` only *records* the call instead of running the ControlNet;
+- ``APPLY_MODEL`` wrapper: receives that recorded call with the UNet's inputs, and runs
+  ControlNet(s) + UNet as one function: captured once per input signature, replayed afterwards.
+  Anything it cannot capture runs exactly as stock ComfyUI would, with the reason logged once;
+- ``OUTER_SAMPLE`` wrapper: marks a new sampling run, so weight addresses are re-checked once per
+  run (a model unloaded and reloaded, or re-patched by a LoRA, lives at new addresses and its
+  graphs are dropped) instead of every step.
+
+What is fed to the graph at each replay rather than baked in: the latent, sigma, text and ADM
+conditioning (static input buffers), each ControlNet's hint (its own buffer, refreshed when the
+ControlNet prepares a new one) and strength (a device scalar, so changing strength never
+recaptures). Start/end percent: with the full 0–1 range there is nothing to check; a partial
+range reads sigma on the host once per step (stock ComfyUI does it once per ControlNet) and picks
+the graph with or without that ControlNet, so inactive steps skip its compute as stock does.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..graphs import GraphCache, backend_name
+from ..logger import logger
+
+WRAPPER_KEY = "cna_cuda_graph"
+ALWAYS_ON_SIGMA = 1e8  # percent_to_sigma(0) is 999999999.9: "from the first step"
+FIRST_STEP = "first step of a run: the ControlNet prepares its hint"
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    enabled: bool = True
+    max_graphs: int = 8
+    verify: bool = False
+    verify_tol: float = 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Deferring the ControlNet call to the UNet call
+
+
+class _DeferredControl:
+    """Stands in for a control object inside one ``calc_cond_batch`` call."""
+
+    __slots__ = ("control",)
+
+    def __init__(self, control):
+        self.control = control
+
+    def get_control(self, x_noisy, t, cond, batched_number, transformer_options):
+        return ControlCall(self.control, x_noisy, t, cond, batched_number, transformer_options)
+
+
+class ControlCall:
+    """A recorded ``control.get_control(...)``; resolves to ComfyUI's residual dict on demand.
+
+    It also behaves as that dict (resolving on first use), so code that reaches the UNet without
+    our APPLY_MODEL wrapper in between still gets exactly what stock ComfyUI would give it.
+    """
+
+    def __init__(self, control, x_noisy, t, cond, batched_number, transformer_options):
+        self.control = control
+        self.args = (x_noisy, t, cond, batched_number, transformer_options)
+        self._resolved = None
+        self._done = False
+
+    def resolve(self):
+        if not self._done:
+            self._resolved = self.control.get_control(*self.args)
+            self._done = True
+        return self._resolved
+
+    # dict protocol, as used by openaimodel.apply_control and friends
+    def __contains__(self, k):
+        r = self.resolve()
+        return r is not None and k in r
+
+    def __getitem__(self, k):
+        return self.resolve()[k]
+
+    def get(self, k, default=None):
+        r = self.resolve()
+        return default if r is None else r.get(k, default)
+
+    def keys(self):
+        return (self.resolve() or {}).keys()
+
+    def items(self):
+        return (self.resolve() or {}).items()
+
+
+def _chain(control) -> list:
+    """The control objects of a chain, innermost (evaluated first) to outermost."""
+    out = []
+    c = control
+    while c is not None:
+        out.append(c)
+        c = getattr(c, "previous_controlnet", None)
+    return out[::-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-model state
+
+
+class _ModelState:
+    def __init__(self, name: str, options: GraphOptions, backend: str):
+        self.cache = GraphCache(name, max_graphs=options.max_graphs, backend=backend)
+        self.run_id = 0
+        self.fp_run: dict[int, tuple[int, Hashable]] = {}  # id(module) -> (run_id, fingerprint)
+        self.eager_reasons: set[str] = set()
+        self.lock = threading.Lock()
+        self.stats = {"replays": 0, "eager": 0, "captures": 0}
+
+    def count(self, what: str) -> None:
+        self.stats[what] = self.stats.get(what, 0) + 1
+        TOTALS[what] = TOTALS.get(what, 0) + 1
+
+    def note_eager(self, reason: str, expected: bool = False) -> None:
+        """Count an eager step; say why once per reason (debug level for the expected ones)."""
+        self.count("eager")
+        if reason not in self.eager_reasons:
+            self.eager_reasons.add(reason)
+            log = logger.debug if expected else logger.info
+            log("%s: running eager: %s", self.cache.name, reason)
+
+    def fingerprint(self, module: torch.nn.Module) -> Hashable:
+        """Addresses of the module's weights, computed once per sampling run."""
+        got = self.fp_run.get(id(module))
+        if got is not None and got[0] == self.run_id:
+            return got[1]
+        fp = hash(tuple((p.data_ptr(), p.dtype, p.device) for p in module.parameters()))
+        self.fp_run[id(module)] = (self.run_id, fp)
+        return fp
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Process-wide counters (states die with their models; these do not): for tests and logs.
+TOTALS: dict[str, int] = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
+_STATES_LOCK = threading.Lock()
+
+
+def _state_for(base_model, options: GraphOptions, device: torch.device) -> _ModelState:
+    with _STATES_LOCK:
+        st = _STATES.get(base_model)
+        if st is None:
+            name = f"CUDA Graph [{type(base_model).__name__}]"
+            st = _ModelState(name, options, backend_name(device))
+            _STATES[base_model] = st
+        st.cache.max_graphs = options.max_graphs
+        return st
+
+
+def graph_stats() -> list[dict]:
+    """What each model's graph cache holds: for logs, tests and the front end."""
+    out = []
+    for model, st in list(_STATES.items()):
+        out.append(
+            {
+                "model": type(model).__name__,
+                "backend": st.cache.backend,
+                "graphs": len(st.cache.entries),
+                "failed": dict(st.cache.failed),
+                "captures": st.cache.captures,
+                "capture_s": st.cache.total_capture_s,
+                "eager_reasons": sorted(st.eager_reasons),
+                **st.stats,
+            }
+        )
+    return out
+
+
+def reset_all() -> None:
+    """Drop every graph of every model (frees their memory pools)."""
+    for st in list(_STATES.values()):
+        st.cache.clear("reset requested")
+
+
+# ---------------------------------------------------------------------------------------------
+# The patch
+
+
+def _supported_control_types() -> tuple[type, ...]:
+    import comfy.controlnet
+
+    return (comfy.controlnet.ControlNet,)
+
+
+def _tensor_sig(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device.type, t.device.index)
+
+
+def _lowvram(module) -> bool:
+    return bool(getattr(module, "model_lowvram", False))
+
+
+class CudaGraphPatch:
+    """The three wrappers; the per-model graph state lives in ``_STATES``."""
+
+    def __init__(self, options: GraphOptions):
+        self.options = options
+
+    # OUTER_SAMPLE: a new sampling run begins
+    def outer_sample_wrapper(self, executor, *args, **kwargs):
+        base_model = getattr(executor.class_obj, "inner_model", None)
+        patcher = getattr(executor.class_obj, "model_patcher", None)
+        model = getattr(patcher, "model", base_model)
+        if model is not None:
+            st = _STATES.get(model)
+            if st is not None:
+                st.run_id += 1
+        return executor(*args, **kwargs)
+
+    # CALC_COND_BATCH: defer control calls to APPLY_MODEL
+    def calc_cond_batch_wrapper(self, executor, model, conds, x_in, timestep, model_options):
+        if not self.options.enabled:
+            return executor(model, conds, x_in, timestep, model_options)
+        proxies: dict[int, _DeferredControl] = {}
+        new_conds = []
+        for cond_list in conds:
+            if cond_list is None:
+                new_conds.append(None)
+                continue
+            out = []
+            for d in cond_list:
+                ctrl = d.get("control") if isinstance(d, dict) else None
+                if ctrl is not None:
+                    p = proxies.get(id(ctrl))
+                    if p is None:
+                        p = proxies[id(ctrl)] = _DeferredControl(ctrl)
+                    d = dict(d)
+                    d["control"] = p
+                out.append(d)
+            new_conds.append(out)
+        return executor(model, new_conds, x_in, timestep, model_options)
+
+    # APPLY_MODEL: ControlNet(s) + UNet, captured or eager
+    def apply_model_wrapper(
+        self,
+        executor,
+        x,
+        t,
+        c_concat=None,
+        c_crossattn=None,
+        control=None,
+        transformer_options=None,
+        **kwargs,
+    ):
+        if transformer_options is None:
+            transformer_options = {}
+        call = control if isinstance(control, ControlCall) else None
+
+        def eager():
+            ctrl = call.resolve() if call is not None else control
+            return executor(x, t, c_concat, c_crossattn, ctrl, transformer_options, **kwargs)
+
+        if not self.options.enabled:
+            return eager()
+        base_model = executor.class_obj
+        st = _state_for(base_model, self.options, x.device)
+        with st.lock:
+            plan = self._plan(
+                st,
+                base_model,
+                x,
+                t,
+                c_concat,
+                c_crossattn,
+                control,
+                call,
+                transformer_options,
+                kwargs,
+            )
+            if isinstance(plan, str):
+                st.note_eager(plan, expected=plan == FIRST_STEP)
+                return eager()
+            return self._run_graph(
+                st, plan, executor, x, t, c_concat, c_crossattn, call, transformer_options, kwargs
+            )
+
+    # -----------------------------------------------------------------------------------------
+
+    def _plan(self, st, base_model, x, t, c_concat, c_crossattn, control, call, topts, kwargs):
+        """The capture key and what the graph needs, or a string saying why not to capture."""
+        if st.cache.backend == "none":
+            return f"no CUDA device for this model (input on {x.device.type}): graphs need a GPU"
+        if st.cache.backend == "cuda" and x.device.type != "cuda":
+            return f"input on {x.device.type}, not CUDA"
+        if st.cache.backend == "cuda" and torch.cuda.is_current_stream_capturing():
+            return "another CUDA graph capture is in progress"
+        if control is not None and call is None:
+            return (
+                "ControlNet residuals were computed outside this wrapper (another node "
+                "wraps the cond batch)"
+            )
+        bad = [k for k in ("patches", "patches_replace") if topts.get(k)]
+        if bad:
+            names = sorted({n for k in bad for n in topts[k]})
+            return f"model has per-block patches ({', '.join(names)}) that may change per step"
+        others = []
+        for wtype in ("apply_model", "diffusion_model"):
+            for key in topts.get("wrappers", {}).get(wtype, {}):
+                if key != WRAPPER_KEY:
+                    others.append(f"{wtype}:{key}")
+        if others:
+            return f"other wrappers run inside the model call ({', '.join(others)})"
+        diffusion = getattr(base_model, "diffusion_model", None)
+        if diffusion is None:
+            return "model has no diffusion_model"
+        if _lowvram(base_model) or _lowvram(diffusion):
+            return "model weights are only partly on the GPU (lowvram): they are streamed per step"
+
+        tensors: list[tuple[str, torch.Tensor]] = [("x", x), ("t", t)]
+        sig: list = []
+        for name, v in (
+            ("c_concat", c_concat),
+            ("c_crossattn", c_crossattn),
+            *sorted(kwargs.items()),
+        ):
+            if isinstance(v, torch.Tensor):
+                tensors.append((name, v))
+            elif v is None or isinstance(v, (bool, int, float, str)):
+                sig.append((name, v))
+            else:
+                return f"argument {name!r} of type {type(v).__name__} cannot be fed to a graph"
+        sig.extend((n, _tensor_sig(v)) for n, v in tensors)
+        sig.append(("cond_or_uncond", tuple(topts.get("cond_or_uncond", ()))))
+        deps = {id(diffusion): st.fingerprint(diffusion)}
+
+        chain_sig = []
+        active: list[bool] = []
+        chain = []
+        if call is not None:
+            x_noisy, t_call, cond, batched_number, _ = call.args
+            if x_noisy is not x or t_call is not t:
+                return "ControlNet and UNet were called with different inputs"
+            chain = _chain(call.control)
+            types = _supported_control_types()
+            for cn in chain:
+                if type(cn) not in types:
+                    return f"control type {type(cn).__name__} is not supported by the graph path"
+                if cn.model_sampling_current is None:
+                    return "ControlNet not prepared for sampling (pre_run has not run)"
+                if cn.control_model is None or _lowvram(cn.control_model):
+                    return "ControlNet weights are only partly on the GPU (lowvram)"
+            sigma = None
+            for cn in chain:
+                rng = cn.timestep_range
+                if rng is None or (rng[0] >= ALWAYS_ON_SIGMA and rng[1] <= 0.0):
+                    active.append(True)
+                    continue
+                if sigma is None:
+                    sigma = float(t[0])  # one host read per step, as stock does per ControlNet
+                active.append(not (sigma > rng[0] or sigma < rng[1]))
+            for cn, on in zip(chain, active, strict=True):
+                if not on:  # skipped this step, as stock skips it: its hint is not read
+                    chain_sig.append((id(cn.control_model), False))
+                    continue
+                hint = cn.cond_hint
+                if hint is None:
+                    return FIRST_STEP
+                if (
+                    hint.shape[2] != x.shape[2] * cn.compression_ratio
+                    or hint.shape[3] != x.shape[3] * cn.compression_ratio
+                    or hint.shape[0] not in (1, x.shape[0])
+                ):
+                    return "ControlNet hint does not match this latent size yet (re-preparing it)"
+                extra = tuple(sorted((k, repr(v)) for k, v in cn.extra_args.items()))
+                chain_sig.append(
+                    (
+                        id(cn.control_model),
+                        True,
+                        str(cn.strength_type),
+                        cn.global_average_pooling,
+                        _tensor_sig(hint),
+                        extra,
+                        tuple(cn.extra_conds),
+                        cn.manual_cast_dtype,
+                        cn.compression_ratio,
+                    )
+                )
+                deps[id(cn.control_model)] = st.fingerprint(cn.control_model)
+            # tensors the ControlNet reads from the cond dict must be static too
+            known = {id(v) for _, v in tensors}
+            for k, v in sorted(cond.items()):
+                if isinstance(v, torch.Tensor) and id(v) not in known:
+                    tensors.append((f"cond.{k}", v))
+                    sig.append((f"cond.{k}", _tensor_sig(v)))
+            sig.append(("batched_number", batched_number))
+        key = (id(base_model), tuple(sig), tuple(chain_sig))
+        return _Plan(key, tensors, chain, active, deps)
+
+    def _run_graph(self, st, plan, executor, x, t, c_concat, c_crossattn, call, topts, kwargs):
+        cache = st.cache
+        entry = cache.lookup(plan.key)
+        if entry is not None and entry.extras.get("deps") != plan.deps:
+            cache.evict(
+                lambda e: e is entry, "model or ControlNet weights moved (reloaded or re-patched)"
+            )
+            entry = None
+        names = [n for n, _ in plan.tensors]
+        inputs = [v for _, v in plan.tensors]
+        cur_extras: dict = {}  # the buffers of the entry being captured or (emulated) replayed
+
+        def fn(*static):
+            by_name = dict(zip(names, static, strict=True))
+            kw = {k: by_name.get(k, v) for k, v in kwargs.items()}
+            ctrl = None
+            if call is not None:
+                _, _, cond, batched_number, call_topts = call.args
+                cond_s = {k: by_name.get(f"cond.{k}", by_name.get(k, v)) for k, v in cond.items()}
+                with _chain_overrides(plan.chain, plan.active, cur_extras):
+                    ctrl = call.control.get_control(
+                        by_name["x"], by_name["t"], cond_s, batched_number, call_topts
+                    )
+            return executor(
+                by_name["x"],
+                by_name["t"],
+                by_name.get("c_concat", c_concat),
+                by_name.get("c_crossattn", c_crossattn),
+                ctrl,
+                topts,
+                **kw,
+            )
+
+        if plan.key in cache.failed:
+            st.note_eager(f"capture failed earlier: {cache.failed[plan.key]}")
+            return _eager_from(call, executor, x, t, c_concat, c_crossattn, topts, kwargs)
+        if entry is not None:
+            _refresh_chain_buffers(entry, plan.chain)
+            st.count("replays")
+            cur_extras.update(entry.extras)
+            return cache.replay(entry, inputs, fn)
+
+        def prepare(e):
+            e.extras["deps"] = plan.deps
+            e.extras["hint"] = [
+                cn.cond_hint.detach().clone() if on else None
+                for cn, on in zip(plan.chain, plan.active, strict=True)
+            ]
+            e.extras["hint_src"] = [
+                cn.cond_hint if on else None for cn, on in zip(plan.chain, plan.active, strict=True)
+            ]
+            e.extras["strength"] = [
+                torch.tensor(float(cn.strength), dtype=torch.float32, device=x.device)
+                for cn in plan.chain
+            ]
+            e.extras["strength_val"] = [float(cn.strength) for cn in plan.chain]
+            cur_extras.update(e.extras)
+
+        try:
+            entry, out = cache.capture(
+                plan.key,
+                fn,
+                inputs,
+                prepare=prepare,
+                verify=self.options.verify,
+                verify_tol=self.options.verify_tol,
+            )
+        except Exception as e:
+            cache.mark_failed(plan.key, str(e) if e.args else type(e).__name__)
+            st.count("failed")
+            return _eager_from(call, executor, x, t, c_concat, c_crossattn, topts, kwargs)
+        st.count("captures")
+        logger.info(
+            "%s: captured graph %d/%d in %.2f s (%s, %d ControlNet(s)%s)",
+            cache.name,
+            len(cache.entries),
+            cache.max_graphs,
+            entry.capture_s,
+            "x".join(map(str, x.shape)),
+            len(plan.chain),
+            "" if all(plan.active) else f", active {plan.active}",
+        )
+        return out
+
+
+@dataclass
+class _Plan:
+    key: Hashable
+    tensors: list
+    chain: list
+    active: list
+    deps: dict
+
+
+def _eager_from(call, executor, x, t, c_concat, c_crossattn, topts, kwargs):
+    ctrl = call.resolve() if call is not None else None
+    return executor(x, t, c_concat, c_crossattn, ctrl, topts, **kwargs)
+
+
+def _refresh_chain_buffers(entry, chain) -> None:
+    """Bring each ControlNet's hint and strength buffers up to date before a replay."""
+    hints, srcs = entry.extras["hint"], entry.extras["hint_src"]
+    strengths, vals = entry.extras["strength"], entry.extras["strength_val"]
+    for i, cn in enumerate(chain):
+        if hints[i] is not None and srcs[i] is not cn.cond_hint:
+            hints[i].copy_(cn.cond_hint)
+            srcs[i] = cn.cond_hint
+        s = float(cn.strength)
+        if vals[i] != s:
+            strengths[i].fill_(s)
+            vals[i] = s
+
+
+class _chain_overrides:
+    """While the graph's function runs: each ControlNet reads our hint and strength buffers,
+    skips its host-side range check (decided on the host already), and an inactive one passes
+    the previous ControlNet's residuals through, exactly as stock ``get_control`` would."""
+
+    def __init__(self, chain, active, extras):
+        self.chain, self.active, self.extras = chain, active, extras
+        self.saved: list[dict[str, Any]] = []
+
+    def __enter__(self):
+        hints = self.extras.get("hint", [])
+        strengths = self.extras.get("strength", [])
+        for i, cn in enumerate(self.chain):
+            self.saved.append(
+                {
+                    "timestep_range": cn.timestep_range,
+                    "strength": cn.strength,
+                    "cond_hint": cn.cond_hint,
+                    "had_get_control": "get_control" in cn.__dict__,
+                }
+            )
+            cn.timestep_range = None
+            if i < len(strengths):
+                cn.strength = strengths[i]
+            if i < len(hints) and hints[i] is not None:
+                cn.cond_hint = hints[i]
+            if not self.active[i]:
+                cn.get_control = _passthrough(cn)
+        return self
+
+    def __exit__(self, *exc):
+        for cn, s in zip(self.chain, self.saved, strict=False):
+            cn.timestep_range = s["timestep_range"]
+            cn.strength = s["strength"]
+            cn.cond_hint = s["cond_hint"]
+            if not s["had_get_control"]:
+                cn.__dict__.pop("get_control", None)
+        return False
+
+
+def _passthrough(cn):
+    def get_control(x_noisy, t, cond, batched_number, transformer_options):
+        prev = cn.previous_controlnet
+        if prev is None:
+            return None
+        return prev.get_control(x_noisy, t, cond, batched_number, transformer_options)
+
+    return get_control
+
+
+def apply_cuda_graph(model, options: GraphOptions):
+    """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling steps run in CUDA graphs."""
+    import comfy.patcher_extension as pe
+
+    m = model.clone()
+    for wtype in ("OUTER_SAMPLE", "CALC_COND_BATCH", "APPLY_MODEL"):
+        if not hasattr(pe.WrappersMP, wtype):
+            logger.warning(
+                "CUDA Graph: this ComfyUI has no %s wrapper; the model runs eager", wtype
+            )
+            return m
+    patch = CudaGraphPatch(options)
+    for wtype in ("OUTER_SAMPLE", "CALC_COND_BATCH", "APPLY_MODEL"):
+        m.remove_wrappers_with_key(getattr(pe.WrappersMP, wtype), WRAPPER_KEY)
+    m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, patch.outer_sample_wrapper)
+    m.add_wrapper_with_key(
+        pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, patch.calc_cond_batch_wrapper
+    )
+    m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, patch.apply_model_wrapper)
+    return m

@@ -1,0 +1,174 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Nodes of the CUDA Graph Sampler: a MODEL patch for any sampler, and a KSampler with it built in.
+
+The logic is in ``cuda_graph.py``; these classes only declare inputs and call it.
+"""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from .cuda_graph import GraphOptions, apply_cuda_graph
+
+CATEGORY = "ControlNet Accelerator/sampling"
+
+_ENABLE_TIP = (
+    "Capture the UNet + ControlNet step in CUDA graphs and replay it every step. "
+    "Off: the model is returned unchanged."
+)
+_MAX_TIP = (
+    "How many captured graphs (one per image size, batch, ControlNet set) to keep per "
+    "model; the least recently used is dropped first. Each holds the step's activation "
+    "memory."
+)
+_VERIFY_TIP = (
+    "Compare the first replay of every new graph with the eager result and run eager "
+    "for that signature if they differ. Costs one extra step per capture. Off by "
+    "default."
+)
+
+
+def _options(enabled: bool, max_graphs: int, verify: bool) -> GraphOptions:
+    return GraphOptions(enabled=enabled, max_graphs=max_graphs, verify=verify)
+
+
+def _graph_inputs() -> list:
+    return [
+        io.Boolean.Input("enabled", default=True, tooltip=_ENABLE_TIP),
+        io.Int.Input("max_graphs", default=8, min=1, max=64, step=1, tooltip=_MAX_TIP),
+        io.Boolean.Input("verify", default=False, tooltip=_VERIFY_TIP),
+    ]
+
+
+class CUDAGraphModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CNA_CUDAGraph",
+            display_name="CUDA Graph",
+            category=CATEGORY,
+            description=(
+                "Makes every sampler run this model's steps as CUDA graphs: the UNet and all "
+                "ControlNets of a step are captured once per image size and replayed, removing "
+                "thousands of kernel launches per step. Results match stock ComfyUI. Anything "
+                "that cannot be captured (lowvram, per-step patches, CPU) runs as usual, with the "
+                "reason in the log. Works with KSampler, KSamplerAdvanced and "
+                "SamplerCustomAdvanced."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The model to run with CUDA graphs."),
+                *_graph_inputs(),
+            ],
+            outputs=[io.Model.Output(tooltip="The same model, sampling through CUDA graphs.")],
+        )
+
+    @classmethod
+    def execute(cls, model, enabled=True, max_graphs=8, verify=False) -> io.NodeOutput:
+        if not enabled:
+            return io.NodeOutput(model)
+        return io.NodeOutput(apply_cuda_graph(model, _options(enabled, max_graphs, verify)))
+
+
+class KSamplerCUDAGraph(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        import comfy.samplers
+
+        return io.Schema(
+            node_id="CNA_KSamplerCUDAGraph",
+            display_name="KSampler (CUDA Graph)",
+            category=CATEGORY,
+            description=(
+                "KSampler that runs each step (UNet + ControlNets) as a replayed CUDA graph. Same "
+                "inputs and same result as KSampler; falls back to normal sampling, with the "
+                "reason in the log, whenever a step cannot be captured."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip="The model used for denoising the input latent."),
+                io.Int.Input(
+                    "seed",
+                    default=0,
+                    min=0,
+                    max=0xFFFFFFFFFFFFFFFF,
+                    control_after_generate=True,
+                    tooltip="The random seed used for creating the noise.",
+                ),
+                io.Int.Input(
+                    "steps",
+                    default=20,
+                    min=1,
+                    max=10000,
+                    tooltip="The number of steps used in the denoising process.",
+                ),
+                io.Float.Input(
+                    "cfg",
+                    default=8.0,
+                    min=0.0,
+                    max=100.0,
+                    step=0.1,
+                    round=0.01,
+                    tooltip="Classifier-free guidance scale.",
+                ),
+                io.Combo.Input(
+                    "sampler_name",
+                    options=comfy.samplers.KSampler.SAMPLERS,
+                    tooltip="The sampling algorithm.",
+                ),
+                io.Combo.Input(
+                    "scheduler",
+                    options=comfy.samplers.KSampler.SCHEDULERS,
+                    tooltip="The noise schedule.",
+                ),
+                io.Conditioning.Input("positive", tooltip="What to include in the image."),
+                io.Conditioning.Input("negative", tooltip="What to exclude from the image."),
+                io.Latent.Input("latent_image", tooltip="The latent image to denoise."),
+                io.Float.Input(
+                    "denoise",
+                    default=1.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    tooltip="The amount of denoising applied; 1.0 for txt2img.",
+                ),
+                *_graph_inputs(),
+            ],
+            outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+        )
+
+    @classmethod
+    def execute(
+        cls,
+        model,
+        seed,
+        steps,
+        cfg,
+        sampler_name,
+        scheduler,
+        positive,
+        negative,
+        latent_image,
+        denoise=1.0,
+        enabled=True,
+        max_graphs=8,
+        verify=False,
+    ):
+        import nodes
+
+        if enabled:
+            model = apply_cuda_graph(model, _options(enabled, max_graphs, verify))
+        (latent,) = nodes.common_ksampler(
+            model,
+            seed,
+            steps,
+            cfg,
+            sampler_name,
+            scheduler,
+            positive,
+            negative,
+            latent_image,
+            denoise=denoise,
+        )
+        return io.NodeOutput(latent)
+
+
+NODES = [CUDAGraphModel, KSamplerCUDAGraph]

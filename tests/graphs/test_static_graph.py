@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""GraphCache: static buffers, LRU, remembered failures, verification (no ComfyUI needed).
+
+The emulate backend runs everywhere (CI); the ``cuda`` tests capture real graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.graphs import CaptureFailed, GraphCache
+
+CUDA = torch.cuda.is_available()
+
+
+def _fn(w):
+    def fn(x, y):
+        return torch.relu(x @ w) + y.sum()
+
+    return fn
+
+
+@pytest.mark.parametrize("backend", ["emulate", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_replay_reads_fresh_inputs_every_time(backend):
+    if backend == "cuda" and not CUDA:
+        pytest.skip("no CUDA device")
+    dev = "cuda" if backend == "cuda" else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(16, 16, device=dev, generator=g)
+    fn = _fn(w)
+    cache = GraphCache("t", backend=backend)
+    for _i in range(4):
+        x = torch.randn(8, 16, device=dev, generator=g)
+        y = torch.randn(3, device=dev, generator=g)
+        out = cache.run("k", fn, [x, y])
+        torch.testing.assert_close(out, fn(x, y), rtol=1e-5, atol=1e-5)
+    assert cache.captures == 1 and cache.lookup("k").replays == 3
+
+
+def test_returned_output_is_not_overwritten_by_the_next_replay():
+    cache = GraphCache("t", backend="emulate")
+    fn = _fn(torch.eye(4))
+    a = cache.run("k", fn, [torch.ones(2, 4), torch.zeros(1)])
+    b = cache.run("k", fn, [torch.ones(2, 4), torch.zeros(1)])
+    c = cache.run("k", fn, [2 * torch.ones(2, 4), torch.zeros(1)])
+    assert torch.equal(a, b) and not torch.equal(b, c)
+
+
+def test_lru_keeps_at_most_max_graphs():
+    cache = GraphCache("t", max_graphs=2, backend="emulate")
+    fn = _fn(torch.eye(4))
+    for k in ("a", "b", "a", "c"):  # "a" was used after "b", so "b" goes
+        cache.run(k, fn, [torch.ones(2, 4), torch.zeros(1)])
+    assert list(cache.entries) == ["a", "c"]
+
+
+def test_failure_during_capture_is_remembered_and_eager_result_returned(caplog):
+    cache = GraphCache("t", backend="emulate")
+    calls = {"n": 0}
+
+    def fn(x):
+        calls["n"] += 1
+        if cache.capturing:
+            raise RuntimeError("not capturable")
+        return x * 2
+
+    with caplog.at_level(logging.WARNING, logger="ControlNetAccelerator"):
+        for _ in range(3):
+            assert torch.equal(cache.run("k", fn, [torch.ones(3)]), torch.full((3,), 2.0))
+    assert "not capturable" in cache.failed["k"]
+    assert sum("not capturable" in r.message for r in caplog.records) == 1  # logged once
+    # one warm-up + one failed capture + one eager rerun, then one eager call per later step
+    assert calls["n"] == 3 + 2
+
+
+def test_verify_rejects_a_graph_that_disagrees_with_eager():
+    cache = GraphCache("t", backend="emulate")
+    state = {"n": 0}
+
+    def fn(x):  # a function whose replays differ from its first call
+        state["n"] += 1
+        return x + state["n"]
+
+    out = cache.run("k", fn, [torch.zeros(4)], verify=True)
+    assert "verify" in cache.failed["k"]
+    assert "k" not in cache.entries
+    assert out.shape == (4,)
+
+
+def test_evict_by_predicate_and_clear():
+    cache = GraphCache("t", backend="emulate")
+    fn = _fn(torch.eye(4))
+    for k in ("a", "b"):
+        cache.run(k, fn, [torch.ones(2, 4), torch.zeros(1)])
+    assert cache.evict(lambda e: e.key == "a", "test") == 1
+    assert list(cache.entries) == ["b"]
+    cache.clear()
+    assert not cache.entries
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+def test_cuda_capture_error_leaves_cuda_usable():
+    """A host sync inside capture is a real capture violation: it must end in CaptureFailed,
+    the eager result, and a CUDA context that still works (graphs too)."""
+    cache = GraphCache("t", backend="cuda")
+
+    def bad(x):
+        y = x * 3
+        if y.sum().item() > -1:  # .item() during capture is illegal
+            return y + 1
+        return y
+
+    x = torch.arange(6.0, device="cuda")
+    out = cache.run("bad", bad, [x])
+    assert torch.equal(out, x * 3 + 1)
+    assert "bad" in cache.failed and "capture" in cache.failed["bad"]
+    assert not torch.cuda.is_current_stream_capturing()
+    good = cache.run("good", lambda t: t * 5, [x])
+    good = cache.run("good", lambda t: t * 5, [x + 1])
+    assert torch.equal(good, (x + 1) * 5)
+    torch.cuda.synchronize()
+
+
+def test_capture_failed_is_a_runtime_error():
+    assert issubclass(CaptureFailed, RuntimeError)

@@ -1,0 +1,303 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""CUDA Graph Sampler nodes against stock ComfyUI, on the same random weights and seeds.
+
+On a CPU the graph path runs in emulation (``CNA_GRAPH_BACKEND=emulate``): the same capture,
+static-buffer and fallback logic, with "replay" calling the function on the static buffers, so a
+buffer the glue forgets to refresh shows up as a wrong result. With ``CNA_TEST_GPU=1`` on a GPU
+the real CUDA graphs run. Tolerance: bit-identical in emulation (same kernels, same order); on
+the GPU the replayed kernels are the eager ones, so we expect bit-identical too and accept
+PSNR ≥ 60 dB on the final latent (fp16 rounding, if cuDNN picked another algorithm under
+capture), far above the ~25 dB that one changed ControlNet gives.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import workflows as wf
+from comfyui_controlnet_accelerator.harness.quick import VARIANTS
+
+pytestmark = pytest.mark.host
+MIN_PSNR_GPU = 60.0
+
+
+@pytest.fixture(autouse=True)
+def graph_backend(host, monkeypatch):
+    if host.cpu:
+        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
+    return "emulate" if host.cpu else "cuda"
+
+
+def _cg(host):
+    return sys.modules[host.pack_module_name].nodes.cuda_graph
+
+
+def _totals(host) -> dict:
+    return dict(_cg(host).TOTALS)
+
+
+def _delta(before, after):
+    return {k: after[k] - before[k] for k in before}
+
+
+def _run(r, wl, seed, extra=None, **kw):
+    import folder_paths
+
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
+    p, ids = wf.build_prompt(wl, seed, hints, extra)
+    return r.run(p, ids, **kw), p, ids
+
+
+def _same(host, a, b):
+    if host.cpu:
+        assert torch.equal(a.latent, b.latent), runner.psnr(a.latent, b.latent)
+    else:
+        assert runner.psnr(a.latent, b.latent) >= MIN_PSNR_GPU, runner.psnr(a.latent, b.latent)
+
+
+GRAPH = VARIANTS["cuda_graph"]
+CASES = {
+    "0cn": wf.WORKLOADS["T0"],
+    "1cn": wf.WORKLOADS["T1"],
+    "2cn": wf.WORKLOADS["T2"],
+    "2cn-range": wf.WORKLOADS["T2"].with_(start_percent=0.25, end_percent=0.7),
+    "1cn-strength": wf.WORKLOADS["T1"].with_(strength=0.6),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_graph_matches_stock_over_20_steps(host, tiny_models, case):
+    wl = CASES[case].with_(steps=20)
+    r = runner.Runner()
+    stock, _, _ = _run(r, wl, 21)
+    before = _totals(host)
+    graph, _, _ = _run(r, wl, 21, GRAPH)
+    d = _delta(before, _totals(host))
+    _same(host, stock, graph)
+    assert d["captures"] >= 1 and d["replays"] >= 15 and d["failed"] == 0, d
+
+
+def test_strength_change_replays_without_recapture(host, tiny_models):
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=6)
+    _run(r, wl, 3, GRAPH)
+    before = _totals(host)
+    for s in (0.4, 1.7):
+        w = wl.with_(strength=s)
+        graph, _, _ = _run(r, w, 3, GRAPH)
+        stock, _, _ = _run(r, w, 3)
+        _same(host, stock, graph)
+    d = _delta(before, _totals(host))
+    assert d["captures"] == 0 and d["replays"] >= 8, d
+
+
+def test_resolution_change_and_back(host, tiny_models):
+    r = runner.Runner()
+    small = wf.WORKLOADS["T1"].with_(steps=5)
+    big = small.with_(width=96, height=80)
+    before = _totals(host)
+    for wl in (small, big, small, big):
+        graph, _, _ = _run(r, wl, 8, GRAPH)
+        stock, _, _ = _run(r, wl, 8)
+        _same(host, stock, graph)
+    d = _delta(before, _totals(host))
+    assert d["captures"] == 2, d  # one per size, the second visit of each size replays
+
+
+def test_alternating_workflows_on_one_model(host, tiny_models):
+    r = runner.Runner()
+    for wl in (wf.WORKLOADS["T1"], wf.WORKLOADS["T2"], wf.WORKLOADS["T0"], wf.WORKLOADS["T1"]):
+        wl = wl.with_(steps=5)
+        graph, _, _ = _run(r, wl, 4, GRAPH)
+        stock, _, _ = _run(r, wl, 4)
+        _same(host, stock, graph)
+
+
+def test_capture_failure_falls_back_to_eager_with_reason(host, tiny_models, monkeypatch, caplog):
+    """A fault inside capture (on a GPU: a real illegal host sync) ends in the stock result, the
+    reason logged once, and no capture retried on later steps or runs."""
+    import comfy.ldm.modules.diffusionmodules.openaimodel as oa
+
+    cg = _cg(host)
+    orig = oa.UNetModel._forward
+
+    def faulty(self, x, *a, **k):
+        capturing = any(s.cache.capturing for s in cg._STATES.values())
+        if capturing:
+            if x.is_cuda:
+                float(x.sum())  # illegal while the stream is capturing
+            else:
+                raise RuntimeError("injected capture fault")
+        return orig(self, x, *a, **k)
+
+    monkeypatch.setattr(oa.UNetModel, "_forward", faulty)
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=6)
+    stock, _, _ = _run(r, wl, 9)
+    before = _totals(host)
+    with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
+        g1, _, _ = _run(r, wl, 9, GRAPH)
+        g2, _, _ = _run(r, wl, 10, GRAPH)
+    d = _delta(before, _totals(host))
+    _same(host, stock, g1)
+    assert d["failed"] == 1 and d["captures"] == 0 and d["replays"] == 0, d
+    warned = [rec.message for rec in caplog.records if "CUDA graph disabled" in rec.message]
+    assert len(warned) == 1 and ("injected" in warned[0] or "capture" in warned[0]), warned
+    assert g2.latent.isfinite().all()
+
+
+def test_interrupted_run_then_next_run_still_matches(host, tiny_models):
+    import comfy.model_management
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=8)
+
+    def interrupt(step):
+        if step == 3:
+            comfy.model_management.interrupt_current_processing(True)
+
+    with pytest.raises(runner.WorkflowFailed, match="interrupted"):
+        _run(r, wl, 12, GRAPH, on_step=interrupt)
+    graph, _, _ = _run(r, wl, 13, GRAPH)
+    stock, _, _ = _run(r, wl, 13)
+    _same(host, stock, graph)
+
+
+def test_models_unloaded_and_reloaded_between_runs(host, tiny_models):
+    import comfy.model_management
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T2"].with_(steps=5)
+    _run(r, wl, 2, GRAPH)
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+    graph, _, _ = _run(r, wl, 2 + 1, GRAPH)
+    stock, _, _ = _run(r, wl, 2 + 1)
+    _same(host, stock, graph)
+
+
+def test_per_step_patches_run_eager_with_reason(host, tiny_models, caplog):
+    def freeu_then_graph(p, ids):
+        fu = str(max(int(k) for k in p) + 1)
+        p[fu] = {
+            "class_type": "FreeU_V2",
+            "inputs": {"model": [ids["ckpt"], 0], "b1": 1.3, "b2": 1.4, "s1": 0.9, "s2": 0.2},
+        }
+        g = str(int(fu) + 1)
+        p[g] = {
+            "class_type": "CNA_CUDAGraph",
+            "inputs": {"model": [fu, 0], "enabled": True, "max_graphs": 8, "verify": False},
+        }
+        p[ids["sampler"]]["inputs"]["model"] = [g, 0]
+
+    def freeu_only(p, ids):
+        fu = str(max(int(k) for k in p) + 1)
+        p[fu] = {
+            "class_type": "FreeU_V2",
+            "inputs": {"model": [ids["ckpt"], 0], "b1": 1.3, "b2": 1.4, "s1": 0.9, "s2": 0.2},
+        }
+        p[ids["sampler"]]["inputs"]["model"] = [fu, 0]
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4)
+    before = _totals(host)
+    with caplog.at_level("INFO", logger="ControlNetAccelerator"):
+        graph, _, _ = _run(r, wl, 6, freeu_then_graph)
+    stock, _, _ = _run(r, wl, 6, freeu_only)
+    assert torch.equal(stock.latent, graph.latent)
+    assert _delta(before, _totals(host))["captures"] == 0
+    assert any("per-block patches" in rec.message for rec in caplog.records)
+
+
+def test_ksampler_cuda_graph_node_matches_ksampler(host, tiny_models):
+    def use_node(p, ids):
+        s = p[ids["sampler"]]
+        s["class_type"] = "CNA_KSamplerCUDAGraph"
+        s["inputs"].update(enabled=True, max_graphs=8, verify=True)
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T2"].with_(steps=6)
+    stock, _, _ = _run(r, wl, 14)
+    before = _totals(host)
+    graph, _, _ = _run(r, wl, 14, use_node)
+    _same(host, stock, graph)
+    d = _delta(before, _totals(host))
+    assert d["captures"] >= 1 and d["failed"] == 0, d
+
+
+def test_sampler_custom_advanced_with_graph_model(host, tiny_models):
+    def custom(graph: bool):
+        def extra(p, ids):
+            k = p.pop(ids["sampler"])["inputs"]
+            model = [ids["ckpt"], 0]
+            n = max(int(x) for x in p) + 1
+
+            def add(ct, **inputs):
+                nonlocal n
+                p[str(n)] = {"class_type": ct, "inputs": inputs}
+                n += 1
+                return str(n - 1)
+
+            if graph:
+                model = [
+                    add("CNA_CUDAGraph", model=model, enabled=True, max_graphs=8, verify=False),
+                    0,
+                ]
+            noise = add("RandomNoise", noise_seed=k["seed"])
+            guider = add(
+                "CFGGuider",
+                model=model,
+                positive=k["positive"],
+                negative=k["negative"],
+                cfg=k["cfg"],
+            )
+            sampler = add("KSamplerSelect", sampler_name="dpmpp_2m")
+            sigmas = add(
+                "BasicScheduler", model=model, scheduler="karras", steps=k["steps"], denoise=1.0
+            )
+            out = add(
+                "SamplerCustomAdvanced",
+                noise=[noise, 0],
+                guider=[guider, 0],
+                sampler=[sampler, 0],
+                sigmas=[sigmas, 0],
+                latent_image=k["latent_image"],
+            )
+            ids["sampler"] = out
+            p[ids["out"]]["inputs"]["samples"] = [out, 0]
+
+        return extra
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=6)
+    stock, _, _ = _run(r, wl, 15, custom(False))
+    before = _totals(host)
+    graph, _, _ = _run(r, wl, 15, custom(True))
+    _same(host, stock, graph)
+    assert _delta(before, _totals(host))["replays"] >= 3
+
+
+def test_disabled_node_returns_model_unchanged(host, tiny_models):
+    mod = sys.modules[host.pack_module_name]
+    cls = mod.nodes.nodes_cuda_graph.CUDAGraphModel
+    sentinel = object()
+    assert cls.execute(sentinel, enabled=False).result[0] is sentinel
+
+
+def test_cpu_without_emulation_runs_eager_and_says_why(host, tiny_models, monkeypatch, caplog):
+    if not host.cpu:
+        pytest.skip("checks the CPU path")
+    monkeypatch.delenv("CNA_GRAPH_BACKEND", raising=False)
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4)
+    before = _totals(host)
+    with caplog.at_level("INFO", logger="ControlNetAccelerator"):
+        graph, _, _ = _run(r, wl, 16, GRAPH)
+    stock, _, _ = _run(r, wl, 16)
+    assert torch.equal(stock.latent, graph.latent)
+    d = _delta(before, _totals(host))
+    assert d["captures"] == 0 and d["eager"] >= 4, d
+    assert any("no CUDA device" in rec.message for rec in caplog.records)
