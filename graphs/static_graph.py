@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -158,14 +159,18 @@ class GraphCache:
         verify: bool = False,
         verify_tol: float = 1e-3,
         prepare: Callable[[GraphEntry], None] | None = None,
+        device: torch.device | None = None,
     ) -> tuple[GraphEntry, torch.Tensor]:
         """Capture ``fn`` for ``key``; returns the entry and this call's (eager) result.
 
+        Static buffers live on ``device`` (default: each input's own device). Inputs that arrive
+        on the CPU (ComfyUI keeps conditioning there) are copied in before each replay, outside
+        the graph: a copy from pageable host memory cannot be captured.
         ``prepare(entry)`` runs after the static buffers exist and before warm-up, so the caller
         can point its own objects at ``entry.extras`` buffers. Raises ``CaptureFailed``.
         """
         t0 = time.perf_counter()
-        static = [t.detach().clone() for t in inputs]
+        static = [t.detach().to(device or t.device, copy=True) for t in inputs]
         entry = GraphEntry(key, static, None, None, 0.0, extras=dict(extras or {}))
         if prepare is not None:
             prepare(entry)
@@ -227,9 +232,16 @@ class GraphCache:
             try:
                 out = fn(*entry.static_inputs)
             except BaseException as e:
+                msg = f"capture: {type(e).__name__}: {e}"
+                # Free what the failed body allocated *while still capturing*: the traceback's
+                # frames hold those tensors, and under cudaMallocAsync freeing a captured
+                # allocation after the graph is gone aborts the process.
+                traceback.clear_frames(e.__traceback__)
+                del e
+                gc.collect()
                 self.capturing = False
                 _end_failed_capture(graph)
-                raise CaptureFailed(f"capture: {type(e).__name__}: {e}") from e
+                raise CaptureFailed(msg) from None
             self.capturing = False
             try:
                 graph.capture_end()

@@ -468,6 +468,7 @@ class CudaGraphPatch:
                 prepare=prepare,
                 verify=self.options.verify,
                 verify_tol=self.options.verify_tol,
+                device=x.device,
             )
         except Exception as e:
             cache.mark_failed(plan.key, str(e) if e.args else type(e).__name__)

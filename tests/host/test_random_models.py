@@ -65,13 +65,13 @@ def test_tiny_models_load_and_control_residuals_are_real(host, tiny_models):
     cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
     assert isinstance(cn, comfy.controlnet.ControlNet)
 
-    unet = model.model.diffusion_model.float()
-    cnet = cn.control_model.float()
+    unet = model.model.diffusion_model.float().cpu()
+    cnet = cn.control_model.float().cpu()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 4, 8, 8, generator=g)
     t = torch.tensor([500.0, 500.0])
     tokens = clip.tokenize("a lighthouse")
-    context = clip.encode_from_tokens(tokens).float().repeat(2, 1, 1)
+    context = clip.encode_from_tokens(tokens).float().cpu().repeat(2, 1, 1)
     assert torch.isfinite(context).all() and context.std() > 0.1
     hint = torch.rand(1, 3, 64, 64, generator=g)
 

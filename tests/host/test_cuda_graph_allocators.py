@@ -1,0 +1,52 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""CUDA graphs under both of PyTorch's allocators.
+
+The allocator is fixed when torch first touches CUDA, so each one gets its own pytest process:
+ComfyUI's default (``main.py`` selects cudaMallocAsync) and PyTorch's native one. Under
+cudaMallocAsync a mishandled failed capture does not raise but aborts the process, so the
+failure-path tests matter most there.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.host, pytest.mark.cuda, pytest.mark.slow]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(os.environ.get("CNA_ALLOCATOR_CHILD") == "1", reason="already the child run")
+@pytest.mark.parametrize("backend", ["cudaMallocAsync", "native"])
+def test_graph_tests_pass_under_allocator(backend, host):
+    env = dict(
+        os.environ,
+        PYTORCH_CUDA_ALLOC_CONF=f"backend:{backend}",
+        CNA_ALLOCATOR_CHILD="1",
+        CNA_TEST_GPU="1",
+        COMFYUI_PATH=str(host.root),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "tests/graphs",
+        "tests/host/test_cuda_graph.py",
+        "-k",
+        "cuda or matches_stock or failure or interrupted or unloaded or resolution",
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
+    assert out.returncode == 0, f"{backend}: rc={out.returncode}\n{tail}"
+    assert " passed" in out.stdout, tail
