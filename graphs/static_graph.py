@@ -117,11 +117,7 @@ class GraphCache:
 
     def _drop(self, key: Hashable) -> None:
         entry = self.entries.pop(key)
-        if hasattr(entry.graph, "reset"):
-            entry.graph.reset()
-        entry.static_inputs.clear()
-        entry.static_output = None
-        entry.extras.clear()
+        _release(entry)
 
     # -- running -------------------------------------------------------------------------------
 
@@ -190,8 +186,7 @@ class GraphCache:
             got = self.replay(entry, static, fn)
             err = _rel_err(got, eager)
             if not err <= verify_tol:  # also catches NaN
-                if hasattr(entry.graph, "reset"):
-                    entry.graph.reset()
+                _release(entry)
                 raise CaptureFailed(
                     f"verify: first replay differs from eager by {err:.3g} (relative L2) "
                     f"> {verify_tol:g}"
@@ -218,10 +213,16 @@ class GraphCache:
         side = self._stream
         cur = torch.cuda.current_stream()
         side.wait_stream(cur)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), _sync_check():
+            # A host sync in the function would invalidate the capture; under cudaMallocAsync
+            # an invalidated capture cannot be cleaned up (see _end_failed_capture). So syncs
+            # are caught here, in eager warm-up, where they are harmless.
             eager = None
-            for _ in range(max(1, warmup)):
-                eager = fn(*entry.static_inputs)
+            try:
+                for _ in range(max(1, warmup)):
+                    eager = fn(*entry.static_inputs)
+            except Exception as e:
+                raise CaptureFailed(f"warm-up: {type(e).__name__}: {e}") from e
         cur.wait_stream(side)
         torch.cuda.synchronize()
         gc.collect()
@@ -233,14 +234,11 @@ class GraphCache:
                 out = fn(*entry.static_inputs)
             except BaseException as e:
                 msg = f"capture: {type(e).__name__}: {e}"
-                # Free what the failed body allocated *while still capturing*: the traceback's
-                # frames hold those tensors, and under cudaMallocAsync freeing a captured
-                # allocation after the graph is gone aborts the process.
-                traceback.clear_frames(e.__traceback__)
+                tb = e.__traceback__
                 del e
-                gc.collect()
                 self.capturing = False
-                _end_failed_capture(graph)
+                _end_failed_capture(graph, tb)
+                del tb
                 raise CaptureFailed(msg) from None
             self.capturing = False
             try:
@@ -275,8 +273,38 @@ class GraphCache:
         return fn(*inputs)
 
 
-def _end_failed_capture(graph) -> None:
-    """End a capture whose body raised, so the stream leaves capture mode whatever happened."""
+# Tracebacks of captures the CUDA driver invalidated under cudaMallocAsync. Their frames hold
+# tensors allocated inside the invalid capture; freeing those would fail inside a C++ destructor
+# and abort the process, so they are kept for the life of the process (an extra reference makes
+# sure interpreter shutdown does not free them either). Bounded: one partial step per failure,
+# and a failed signature is never captured again.
+_QUARANTINE: list = []
+
+
+def _end_failed_capture(graph, tb) -> None:
+    """End a capture whose body raised, leaving the stream out of capture mode whatever happened.
+
+    If the capture is still valid, the tensors the body allocated are freed *before* ending it
+    (as captured frees): freed after, they would point into a graph that never ran, and
+    cudaMallocAsync aborts on that. If the driver already invalidated it (an illegal call such
+    as a host sync), native-allocator tensors are freed normally and cudaMallocAsync ones are
+    quarantined.
+    """
+    still_valid = torch.cuda.is_current_stream_capturing()
+    if still_valid or not _async_allocator():
+        traceback.clear_frames(tb)
+        gc.collect()
+    else:
+        if not _QUARANTINE:
+            import ctypes
+
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(_QUARANTINE))
+        _QUARANTINE.append(tb)
+        logger.warning(
+            "CUDA graph capture was invalidated by the driver under cudaMallocAsync; its partial "
+            "allocations are kept (not freed) to avoid a crash. Start ComfyUI with "
+            "--disable-cuda-malloc if this repeats."
+        )
     try:
         graph.capture_end()
     except Exception:
@@ -289,6 +317,35 @@ def _end_failed_capture(graph) -> None:
         torch.cuda.synchronize()
     except Exception as e:  # a sticky CUDA error cannot be mended here; say so once
         logger.error("CUDA reported an error after a failed graph capture: %s", e)
+
+
+def _release(entry: GraphEntry) -> None:
+    """Free an entry: its captured output first, then the graph."""
+    entry.static_output = None
+    entry.static_inputs.clear()
+    entry.extras.clear()
+    if hasattr(entry.graph, "reset"):
+        entry.graph.reset()
+    entry.graph = None
+
+
+def _async_allocator() -> bool:
+    try:
+        return torch.cuda.memory.get_allocator_backend() == "cudaMallocAsync"
+    except Exception:
+        return False
+
+
+class _sync_check:
+    """Make host syncs raise (torch's sync debug mode) for the duration of the block."""
+
+    def __enter__(self):
+        self.prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(self.prev)
+        return False
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

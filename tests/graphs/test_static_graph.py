@@ -116,7 +116,8 @@ def test_cuda_capture_error_leaves_cuda_usable():
     x = torch.arange(6.0, device="cuda")
     out = cache.run("bad", bad, [x])
     assert torch.equal(out, x * 3 + 1)
-    assert "bad" in cache.failed and "capture" in cache.failed["bad"]
+    # caught by the sync check of the eager warm-up, before any capture began
+    assert "bad" in cache.failed and "warm-up" in cache.failed["bad"]
     assert not torch.cuda.is_current_stream_capturing()
     good = cache.run("good", lambda t: t * 5, [x])
     good = cache.run("good", lambda t: t * 5, [x + 1])
@@ -126,3 +127,27 @@ def test_cuda_capture_error_leaves_cuda_usable():
 
 def test_capture_failed_is_a_runtime_error():
     assert issubclass(CaptureFailed, RuntimeError)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+def test_cuda_capture_invalidated_by_the_driver_is_survived():
+    """A sync only while capturing (not in warm-up) really invalidates the capture: the cache
+    must end it, keep the process alive under either allocator, and serve the eager result."""
+    cache = GraphCache("t", backend="cuda")
+
+    def sneaky(x):
+        y = x * 3
+        if cache.capturing:
+            float(y.sum())  # illegal: invalidates the capture
+        return y + 1
+
+    x = torch.arange(6.0, device="cuda")
+    out = cache.run("sneaky", sneaky, [x])
+    assert torch.equal(out, x * 3 + 1)
+    assert "capture" in cache.failed["sneaky"]
+    assert not torch.cuda.is_current_stream_capturing()
+    y = cache.run("fine", lambda t: t - 1, [x])
+    y = cache.run("fine", lambda t: t - 1, [x * 2])
+    assert torch.equal(y, x * 2 - 1)
+    torch.cuda.synchronize()

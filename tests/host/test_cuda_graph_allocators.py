@@ -37,7 +37,7 @@ def test_graph_tests_pass_under_allocator(backend, host):
         sys.executable,
         "-m",
         "pytest",
-        "-q",
+        "-v",
         "-p",
         "no:cacheprovider",
         "-x",
@@ -47,6 +47,7 @@ def test_graph_tests_pass_under_allocator(backend, host):
         "cuda or matches_stock or failure or interrupted or unloaded or resolution",
     ]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
+    lines = (out.stdout + out.stderr).splitlines()
+    tail = "\n".join([ln for ln in lines if "PASSED" in ln or "FAILED" in ln] + lines[-25:])
     assert out.returncode == 0, f"{backend}: rc={out.returncode}\n{tail}"
     assert " passed" in out.stdout, tail
