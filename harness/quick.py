@@ -313,13 +313,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{env.get('gpu', 'CPU')}; allocator {env['allocator']}"
     )
     rows: list[Row] = []
-    for wid in wids:
-        rows.extend(run_workload(wid, variants, a.rounds, profile, a.steps, models_dir, prog))
-    prog.close()
     wl_info = {w: _describe(WORKLOADS[w], a.steps) for w in wids}
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for wid in wids:
+        rows.extend(run_workload(wid, variants, a.rounds, profile, a.steps, models_dir, prog))
+        partial = {
+            "environment": env,
+            "workloads": wl_info,
+            "rounds": a.rounds,
+            "partial": True,
+            "rows": [asdict(r) for r in rows],
+        }
+        (out / f"quick-{stamp}.json").write_text(json.dumps(partial, indent=1))
+    prog.close()
     text = table(rows, wl_info)
     payload = {
         "environment": env,
