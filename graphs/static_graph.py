@@ -83,6 +83,8 @@ class GraphCache:
         self._pool = None
         self._stream = None
         self.capturing = False  # True while fn runs for a capture (tests inject faults on it)
+        # Whether captures go through cudaMallocAsync (its failure handling differs).
+        self.async_allocator = backend == "cuda" and _async_allocator()
         self.captures = 0
         self.total_capture_s = 0.0
 
@@ -165,6 +167,8 @@ class GraphCache:
         ``prepare(entry)`` runs after the static buffers exist and before warm-up, so the caller
         can point its own objects at ``entry.extras`` buffers. Raises ``CaptureFailed``.
         """
+        if self.async_allocator and _ASYNC_BROKEN:
+            raise CaptureFailed(_ASYNC_BROKEN[0])
         t0 = time.perf_counter()
         static = [t.detach().to(device or t.device, copy=True) for t in inputs]
         entry = GraphEntry(key, static, None, None, 0.0, extras=dict(extras or {}))
@@ -178,6 +182,8 @@ class GraphCache:
             try:
                 entry.static_output = fn(*static)
             except Exception as e:
+                if self.async_allocator:
+                    _note_async_failure(f"capture: {type(e).__name__}: {e}")
                 raise CaptureFailed(f"capture: {type(e).__name__}: {e}") from e
             finally:
                 self.capturing = False
@@ -239,6 +245,8 @@ class GraphCache:
                 self.capturing = False
                 _end_failed_capture(graph, tb)
                 del tb
+                if self.async_allocator:
+                    _note_async_failure(msg)
                 raise CaptureFailed(msg) from None
             self.capturing = False
             try:
@@ -271,6 +279,23 @@ class GraphCache:
         except Exception as e:  # warm-up raised: the eager path will raise it again if real
             self.mark_failed(key, f"warm-up: {type(e).__name__}: {e}")
         return fn(*inputs)
+
+
+# Under cudaMallocAsync one failed capture leaves PyTorch's allocator unable to capture again
+# (seen on the H200, torch 2.11: "capture_free_streams.empty() INTERNAL ASSERT FAILED" at the
+# next capture). After the first failure no further capture is attempted in this process: every
+# graph request runs eager, with this reason, until ComfyUI restarts.
+_ASYNC_BROKEN: list[str] = []
+
+
+def _note_async_failure(msg: str) -> None:
+    if not _ASYNC_BROKEN:
+        _ASYNC_BROKEN.append(
+            "an earlier CUDA graph capture failed under the cudaMallocAsync allocator, after "
+            f"which PyTorch cannot capture again in this process ({msg}); restart ComfyUI, or "
+            "start it with --disable-cuda-malloc to keep graphs after such a failure"
+        )
+        logger.error("CUDA Graph: %s", _ASYNC_BROKEN[0])
 
 
 # Tracebacks of captures the CUDA driver invalidated under cudaMallocAsync. Their frames hold

@@ -161,3 +161,23 @@ def test_cuda_capture_invalidated_by_the_driver_is_survived():
     y = cache.run("fine", lambda t: t - 1, [x * 2])
     assert torch.equal(y, x * 2 - 1)
     torch.cuda.synchronize()
+
+
+def test_after_a_failed_capture_under_cuda_malloc_async_no_capture_is_tried(monkeypatch):
+    """PyTorch's async allocator cannot capture again after a failed capture, so the cache
+    stops trying (eager with a reason) instead of tripping its internal assert per signature."""
+    from comfyui_controlnet_accelerator.graphs import static_graph as sg
+
+    monkeypatch.setattr(sg, "_ASYNC_BROKEN", [])
+    cache = GraphCache("t", backend="emulate")
+    cache.async_allocator = True  # what a "cuda" cache under cudaMallocAsync sets itself
+
+    def bad(x):
+        if cache.capturing:
+            raise RuntimeError("boom")
+        return x + 1
+
+    assert torch.equal(cache.run("a", bad, [torch.zeros(2)]), torch.ones(2))
+    assert sg._ASYNC_BROKEN and "restart ComfyUI" in sg._ASYNC_BROKEN[0]
+    assert torch.equal(cache.run("b", lambda x: x * 2, [torch.ones(2)]), torch.full((2,), 2.0))
+    assert "cudaMallocAsync" in cache.failed["b"] and "b" not in cache.entries
