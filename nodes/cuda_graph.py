@@ -148,7 +148,7 @@ class _ModelState:
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Process-wide counters (states die with their models; these do not): for tests and logs.
-TOTALS: dict[str, int] = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
+TOTALS: dict[str, int] = {"captures": 0, "replays": 0, "eager": 0, "failed": 0, "released": 0}
 _STATES_LOCK = threading.Lock()
 
 
@@ -585,4 +585,21 @@ def apply_cuda_graph(model, options: GraphOptions):
         pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, patch.calc_cond_batch_wrapper
     )
     m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, patch.apply_model_wrapper)
+    if hasattr(pe, "CallbacksMP") and hasattr(pe.CallbacksMP, "ON_DETACH"):
+        m.remove_callbacks_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY)
+        m.add_callback_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY, _on_detach)
     return m
+
+
+def _on_detach(patcher, unpatch_all=True) -> None:
+    """ComfyUI is unloading the model (memory pressure, another model): free its graphs now.
+
+    Their memory pool is invisible to ComfyUI's memory manager, and the weights they point at
+    are about to move anyway (they would be dropped at the next run's address check).
+    """
+    st = _STATES.get(getattr(patcher, "model", None))
+    if st is not None and st.cache.entries:
+        with st.lock:
+            n = len(st.cache.entries)
+            st.cache.evict(lambda e: True, "model unloaded from the GPU")
+            TOTALS["released"] += n

@@ -179,8 +179,10 @@ def test_models_unloaded_and_reloaded_between_runs(host, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T2"].with_(steps=5)
     _run(r, wl, 2, GRAPH)
+    before = _totals(host)
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
+    assert _delta(before, _totals(host))["released"] >= 1  # graphs freed with the model
     graph, _, _ = _run(r, wl, 2 + 1, GRAPH)
     stock, _, _ = _run(r, wl, 2 + 1)
     _same(host, stock, graph)
