@@ -1,0 +1,33 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The pack's kernels: one CUDA extension, JIT-compiled on first use and cached, with a
+plain-PyTorch implementation of every op as the CPU path and the fallback.
+
+Public ops (shapes in their docstrings): ``control_merge``, ``control_merge_add_``,
+``quantize_int8``, ``dequant_add_``, ``group_norm_silu``. ``list_backends()`` says which
+backend is usable and why not; ``use_backend("eager")`` forces the fallback.
+Environment: ``CNA_FORCE_EAGER=1`` (never build), ``CNA_KERNELS_VERBOSE=1`` (show the
+compiler), ``CNA_KERNELS_CACHE=DIR`` (build cache), ``CNA_CUDA_ARCH=9.0`` (target without a GPU).
+"""
+
+from __future__ import annotations
+
+from .ops import (
+    control_merge,
+    control_merge_add_,
+    dequant_add_,
+    group_norm_silu,
+    quantize_int8,
+)
+from .registry import NoCapableBackend, list_backends, mark_unavailable, use_backend
+
+__all__ = [
+    "NoCapableBackend",
+    "control_merge",
+    "control_merge_add_",
+    "dequant_add_",
+    "group_norm_silu",
+    "list_backends",
+    "mark_unavailable",
+    "quantize_int8",
+    "use_backend",
+]

@@ -1,0 +1,243 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Build and load the pack's CUDA extension on first use (the only caller of
+``torch.utils.cpp_extension.load``).
+
+- Lazy: nothing is compiled until an op first runs on a CUDA tensor.
+- For the current GPU's architecture only (``$CNA_CUDA_ARCH``, e.g. ``9.0``, overrides; CI uses
+  it to compile without a GPU).
+- Cached in ``$CNA_KERNELS_CACHE`` (default: torch's extensions folder), in a folder keyed by a
+  hash of the sources, flags, Python/torch/CUDA versions and the architecture; a changed
+  parameter builds a new folder and the log says what changed.
+- Two processes building at once: torch's file lock serialises them; a lock left by a crashed
+  build (older than ``STALE_LOCK_S``) is removed with a warning.
+- One status line before a first build, its duration after.
+- Any failure (``$CNA_FORCE_EAGER=1``, no GPU, no nvcc, compile or load error) marks the cuda
+  backend unavailable with the reason (one warning) and every op runs the eager path.
+  ``$CNA_KERNELS_VERBOSE=1`` shows the compiler's output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..logger import logger
+from . import registry
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ["bindings.cpp", "ops/control_merge.cu", "ops/quant_int8.cu"]
+HEADERS = ["common.cuh"]
+# The C++ standard is left to torch (C++17 up to 2.12, C++20 from 2.13).
+CFLAGS = ["-O3"]
+NVCC_FLAGS = [
+    "-O3",
+    "-lineinfo",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
+STALE_LOCK_S = 15 * 60
+
+_lock = threading.Lock()
+_module = None
+_tried = False
+
+
+def cuda_home() -> str | None:
+    """The CUDA toolkit to compile with: $CUDA_HOME/$CUDA_PATH, else the one holding nvcc."""
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        p = os.environ.get(env)
+        if p and (Path(p) / "bin" / "nvcc").exists():
+            return p
+    cands = [Path("/usr/local/cuda")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        real = Path(nvcc).resolve()
+        cands.insert(0, real.parent.parent)
+        try:  # a shell wrapper that execs the real nvcc (seen on our CI machine)
+            text = real.read_text(errors="ignore")
+            for tok in text.split():
+                if tok.endswith("/bin/nvcc") and Path(tok).exists():
+                    cands.insert(0, Path(tok).parent.parent)
+        except (OSError, UnicodeDecodeError):
+            pass
+    for c in cands:
+        if (c / "bin" / "nvcc").exists() and (c / "include" / "cuda_runtime.h").exists():
+            return str(c)
+    return None
+
+
+def target_arch() -> str | None:
+    env = os.environ.get("CNA_CUDA_ARCH")
+    if env:
+        return env
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return None
+
+
+def build_params(arch: str) -> dict:
+    h = hashlib.sha256()
+    for rel in SOURCES + HEADERS:
+        h.update(rel.encode())
+        h.update((CSRC / rel).read_bytes())
+    return {
+        "sources": h.hexdigest()[:16],
+        "cflags": CFLAGS,
+        "nvcc_flags": NVCC_FLAGS,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "arch": arch,
+    }
+
+
+def cache_root() -> Path:
+    env = os.environ.get("CNA_KERNELS_CACHE")
+    if env:
+        return Path(env).expanduser()
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("cna_kernels", verbose=False)).parent / "cna_kernels"
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning(
+            "removing a stale build lock %s (%.0f min old, left by a crashed build)", lock, age / 60
+        )
+        lock.unlink(missing_ok=True)
+
+
+def build(arch: str | None = None, verbose: bool | None = None):
+    """Compile (or reuse) and import the extension; raises on any failure."""
+    arch = arch or target_arch()
+    if arch is None:
+        raise RuntimeError("no CUDA device visible (set CNA_CUDA_ARCH to compile without one)")
+    home = cuda_home()
+    if home is None:
+        raise RuntimeError("no CUDA compiler found (nvcc not on PATH, CUDA_HOME unset)")
+    os.environ.setdefault("CUDA_HOME", home)
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME is None or not Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists():
+        cpp_extension.CUDA_HOME = home  # it resolved its own copy at import, before ours
+    params = build_params(arch)
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    root = cache_root()
+    build_dir = root / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir)
+    _say_what_changed(root, params)
+    name = f"cna_kernels_{key}"
+    verbose = os.environ.get("CNA_KERNELS_VERBOSE") == "1" if verbose is None else verbose
+    fresh = not any(build_dir.glob(f"{name}*.so")) and not any(build_dir.glob(f"{name}*.pyd"))
+    if fresh:
+        logger.info(
+            "ControlNet Accelerator: compiling CUDA kernels for sm_%s (first use; about "
+            "a minute, then cached in %s)",
+            arch.replace(".", ""),
+            build_dir,
+        )
+    t0 = time.perf_counter()
+    prev_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    try:
+        mod = cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_cuda_cflags=NVCC_FLAGS,
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(build_dir),
+            verbose=verbose,
+            with_cuda=True,
+        )
+    finally:
+        if prev_arch is None:
+            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+        else:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = prev_arch
+    if fresh:
+        logger.info(
+            "ControlNet Accelerator: CUDA kernels built in %.1f s", time.perf_counter() - t0
+        )
+    (root / "last.json").write_text(json.dumps(params, indent=1))
+    return mod
+
+
+def _say_what_changed(root: Path, params: dict) -> None:
+    try:
+        last = json.loads((root / "last.json").read_text())
+    except (OSError, ValueError):
+        return
+    changed = [f"{k}: {last.get(k)} -> {v}" for k, v in params.items() if last.get(k) != v]
+    if changed:
+        logger.info(
+            "ControlNet Accelerator: kernel build parameters changed (%s); building anew",
+            "; ".join(changed),
+        )
+
+
+def ensure_loaded():
+    """The extension module, building it on first call; None (and cuda marked unavailable)
+    when it cannot be had. Safe to call from several threads."""
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        try:
+            if os.environ.get("CNA_FORCE_EAGER") == "1":
+                raise RuntimeError("CNA_FORCE_EAGER=1")
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device visible")
+            _module = build()
+        except Exception as e:  # any failure: one warning, eager from now on
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            registry.mark_unavailable("cuda", f"{type(e).__name__}: {first}")
+            _module = None
+        _tried = True
+        return _module
+
+
+def is_loaded() -> bool:
+    return _module is not None
+
+
+def reset_for_tests() -> None:
+    global _module, _tried
+    with _lock:
+        _module, _tried = None, False
+    registry.reset_unavailable("cuda")
+
+
+def module():
+    """The loaded extension (``ensure_loaded`` must have succeeded)."""
+    m = ensure_loaded()
+    if m is None:
+        raise RuntimeError("the CUDA extension is not available: see list_backends()")
+    return m
+
+
+if __name__ == "__main__":  # pragma: no cover - a manual "build now" entry point
+    import logging
+
+    logging.basicConfig(level=logging.INFO)
+    build(verbose=True)
+    print("ok")

@@ -1,0 +1,24 @@
+// SPDX-License-Identifier: GPL-3.0-or-later
+// The one extension module: every op family's entry points, registered here.
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace cna {
+std::vector<torch::Tensor> control_merge(const std::vector<torch::Tensor>& residuals,
+                                         const torch::Tensor& strengths, int64_t num_nets);
+void control_merge_add_(const std::vector<torch::Tensor>& hidden,
+                        const std::vector<torch::Tensor>& residuals,
+                        const torch::Tensor& strengths);
+std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x);
+void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& scale,
+                  const torch::Tensor& strength);
+}  // namespace cna
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ControlNet Accelerator CUDA kernels";
+  m.def("control_merge", &cna::control_merge, "out[k] = sum_i s[i] * r[i][k], all slots at once");
+  m.def("control_merge_add_", &cna::control_merge_add_, "hidden[k] += sum_i s[i] * r[i][k]");
+  m.def("quantize_int8", &cna::quantize_int8, "per-(sample, channel) symmetric INT8");
+  m.def("dequant_add_", &cna::dequant_add_, "h += strength * q * scale[b, c]");
+}

@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The public ops. Each picks its backend through the registry and, on CUDA, calls a
+``torch.library`` custom op (``cna::<op>``), so torch.compile and CUDA graphs see one op.
+
+Shapes: ``residuals`` is N nets × K slots (each slot one ControlNet residual, e.g. 13 for
+SD1.5), every net's slot k the same shape and dtype; ``strengths`` is a float32 tensor (N,) on
+the residuals' device, so changing strength never changes a captured graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _jit, eager, registry
+
+for _op in ("control_merge", "quantize_int8", "dequant_add", "group_norm_silu"):
+    registry.register("eager", _op)
+for _op in ("control_merge", "quantize_int8", "dequant_add"):
+    registry.register("cuda", _op)
+
+
+# -- torch.library registrations (CUDA implementations; fakes for tracing) ---------------------
+
+
+@torch.library.custom_op("cna::control_merge", mutates_args=())
+def _control_merge_op(
+    residuals: list[torch.Tensor], strengths: torch.Tensor, num_nets: int
+) -> list[torch.Tensor]:
+    return _jit.module().control_merge(residuals, strengths, num_nets)
+
+
+@_control_merge_op.register_fake
+def _(residuals, strengths, num_nets):
+    k = len(residuals) // num_nets
+    return [torch.empty_like(r) for r in residuals[:k]]
+
+
+@torch.library.custom_op("cna::control_merge_add_", mutates_args=("hidden",))
+def _control_merge_add_op(
+    hidden: list[torch.Tensor], residuals: list[torch.Tensor], strengths: torch.Tensor
+) -> None:
+    _jit.module().control_merge_add_(hidden, residuals, strengths)
+
+
+@_control_merge_add_op.register_fake
+def _(hidden, residuals, strengths):
+    return None
+
+
+@torch.library.custom_op("cna::quantize_int8", mutates_args=())
+def _quantize_int8_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _jit.module().quantize_int8(x)
+    return q, scale
+
+
+@_quantize_int8_op.register_fake
+def _(x):
+    return (
+        torch.empty(x.shape, dtype=torch.int8, device=x.device),
+        torch.empty(x.shape[:2], dtype=torch.float32, device=x.device),
+    )
+
+
+@torch.library.custom_op("cna::dequant_add_", mutates_args=("hidden",))
+def _dequant_add_op(
+    hidden: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, strength: torch.Tensor
+) -> None:
+    _jit.module().dequant_add_(hidden, q, scale, strength)
+
+
+@_dequant_add_op.register_fake
+def _(hidden, q, scale, strength):
+    return None
+
+
+# -- public API ---------------------------------------------------------------------------------
+
+
+def _check_residuals(residuals: list[list[torch.Tensor]], strengths: torch.Tensor) -> int:
+    if not residuals or not residuals[0]:
+        raise ValueError(
+            "control_merge: residuals must be a non-empty list (nets) of non-empty lists (slots)"
+        )
+    k = len(residuals[0])
+    for i, net in enumerate(residuals):
+        if len(net) != k:
+            raise ValueError(f"control_merge: net {i} has {len(net)} slots, net 0 has {k}")
+        for j, r in enumerate(net):
+            ref = residuals[0][j]
+            if r.shape != ref.shape or r.dtype != ref.dtype or r.device != ref.device:
+                raise ValueError(
+                    f"control_merge: residual[{i}][{j}] is {tuple(r.shape)} "
+                    f"{r.dtype} on {r.device}; net 0 has {tuple(ref.shape)} "
+                    f"{ref.dtype} on {ref.device}"
+                )
+    if strengths.numel() != len(residuals):
+        raise ValueError(f"control_merge: {strengths.numel()} strengths for {len(residuals)} nets")
+    return k
+
+
+def _flat(residuals: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    return [r.contiguous() for net in residuals for r in net]
+
+
+def control_merge(
+    residuals: list[list[torch.Tensor]], strengths: torch.Tensor
+) -> list[torch.Tensor]:
+    """out[k] = Σ_i strengths[i] · residuals[i][k] for every slot k, in one launch on CUDA.
+    Returns K new tensors (the residuals' dtype), computed in fp32 and rounded once."""
+    _check_residuals(residuals, strengths)
+    backend = registry.select("control_merge", [r for net in residuals for r in net])
+    if backend == "cuda":
+        s = strengths.to(device=residuals[0][0].device, dtype=torch.float32).contiguous()
+        return torch.ops.cna.control_merge(_flat(residuals), s, len(residuals))
+    return eager.control_merge(residuals, strengths)
+
+
+def control_merge_add_(
+    hidden: list[torch.Tensor], residuals: list[list[torch.Tensor]], strengths: torch.Tensor
+) -> None:
+    """hidden[k] += Σ_i strengths[i] · residuals[i][k], in place, every slot in one launch."""
+    k = _check_residuals(residuals, strengths)
+    if len(hidden) != k:
+        raise ValueError(f"control_merge_add_: {len(hidden)} hidden tensors for {k} slots")
+    for j, h in enumerate(hidden):
+        if h.shape != residuals[0][j].shape or h.dtype != residuals[0][j].dtype:
+            raise ValueError(f"control_merge_add_: hidden[{j}] does not match residual slot {j}")
+    backend = registry.select("control_merge", [*hidden, *(r for net in residuals for r in net)])
+    if backend == "cuda" and all(h.is_contiguous() for h in hidden):
+        s = strengths.to(device=hidden[0].device, dtype=torch.float32).contiguous()
+        torch.ops.cna.control_merge_add_(hidden, _flat(residuals), s)
+        return
+    eager.control_merge_add_(hidden, residuals, strengths)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, C, *spatial) -> (q int8 same shape, scale float32 (B, C)); x ≈ q · scale."""
+    if x.dim() < 2:
+        raise ValueError(f"quantize_int8: x must be (B, C, ...), got {tuple(x.shape)}")
+    if registry.select("quantize_int8", [x]) == "cuda":
+        return torch.ops.cna.quantize_int8(x.contiguous())
+    return eager.quantize_int8(x)
+
+
+def dequant_add_(
+    hidden: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, strength: torch.Tensor
+) -> None:
+    """hidden += strength · q · scale[b, c] in place (strength: float32 scalar tensor)."""
+    if q.shape != hidden.shape or q.dtype != torch.int8:
+        raise ValueError("dequant_add_: q must be int8 with hidden's shape")
+    if scale.shape != hidden.shape[:2]:
+        raise ValueError(f"dequant_add_: scale must be (B, C) = {tuple(hidden.shape[:2])}")
+    backend = registry.select("dequant_add", [hidden, q, scale])
+    if backend == "cuda" and hidden.is_contiguous():
+        s = strength.to(device=hidden.device, dtype=torch.float32).reshape(1)
+        torch.ops.cna.dequant_add_(hidden, q.contiguous(), scale.float().contiguous(), s)
+        return
+    eager.dequant_add_(hidden, q, scale, strength)
+
+
+def group_norm_silu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int = 32, eps: float = 1e-5
+) -> torch.Tensor:
+    """SiLU(GroupNorm(x)) for x (B, C, H, W). Eager only for now (the CUDA kernel is next)."""
+    registry.select("group_norm_silu", [x])
+    return eager.group_norm_silu(x, weight, bias, groups, eps)

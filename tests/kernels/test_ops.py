@@ -1,0 +1,249 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Kernel ops against independent fp32 references written here (not the eager module).
+
+Tier 1 (always, CPU): the eager backend vs the references. Tier 2 (``cuda``): the CUDA backend
+vs the same references with fresh random inputs each check, odd sizes, outputs poisoned first.
+Tolerances per dtype (relative L2 error against the fp32 reference): the result is rounded once
+to the output dtype, so the error is that dtype's rounding: fp32 1e-6, bf16 8e-3, fp16 1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator import kernels
+from comfyui_controlnet_accelerator.kernels import _jit, registry
+
+TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (B, C, H, W) residual slots: SD1.5 at 512² (CFG batch 2) and odd sizes that defeat vectors.
+SD15_SLOTS = [(2, 320, 64, 64)] * 3 + [
+    (2, 320, 32, 32),
+    (2, 640, 32, 32),
+    (2, 640, 32, 32),
+    (2, 640, 16, 16),
+    (2, 1280, 16, 16),
+    (2, 1280, 16, 16),
+    (2, 1280, 8, 8),
+    (2, 1280, 8, 8),
+    (2, 1280, 8, 8),
+    (2, 1280, 8, 8),
+]
+ODD_SLOTS = [(1, 3, 5, 7), (2, 5, 3, 3), (1, 1, 1, 1), (3, 7, 11, 13)]
+
+
+def _ref_merge(residuals, strengths):
+    return [
+        sum(float(strengths[i]) * residuals[i][k].double() for i in range(len(residuals)))
+        for k in range(len(residuals[0]))
+    ]
+
+
+def _ref_quant(x):
+    b, c = x.shape[:2]
+    xf = x.double().reshape(b, c, -1)
+    amax = xf.abs().amax(-1)
+    scale = amax / 127
+    q = torch.where(
+        amax[..., None] > 0,
+        torch.round(xf / scale.clamp_min(1e-300)[..., None]),
+        torch.zeros_like(xf),
+    ).clamp(-127, 127)
+    return q.reshape(x.shape), scale
+
+
+def _rel(got, ref):
+    ref = ref.double()
+    den = ref.norm().item() or 1.0
+    return (got.double() - ref).norm().item() / den
+
+
+def _assert_close(got, ref, dtype, what):
+    err = _rel(got, ref)
+    if not err <= TOL[dtype]:
+        diff = (got.double() - ref.double()).abs().flatten()
+        idx = diff.topk(min(5, diff.numel())).indices
+        pairs = [(int(i), float(got.flatten()[i]), float(ref.flatten()[i])) for i in idx]
+        pytest.fail(
+            f"{what}: rel err {err:.3g} > {TOL[dtype]:g}; worst (index, got, expected): {pairs}"
+        )
+
+
+def _residuals(nets, shapes, dtype, device, gen):
+    return [
+        [torch.randn(s, generator=gen, device=device).to(dtype) for s in shapes]
+        for _ in range(nets)
+    ]
+
+
+def _cuda_ready():
+    if not torch.cuda.is_available():
+        return False
+    return _jit.ensure_loaded() is not None
+
+
+def _devices():
+    return ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _setup(device):
+    if device == "cuda" and not _cuda_ready():
+        pytest.skip("CUDA extension not loaded: " + str(kernels.list_backends()))
+    return kernels.use_backend("cuda" if device == "cuda" else "eager")
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nets", [1, 2, 3])
+@pytest.mark.parametrize("shapes", [SD15_SLOTS, ODD_SLOTS], ids=["sd15", "odd"])
+def test_control_merge(device, dtype, nets, shapes):
+    with _setup(device):
+        gen = torch.Generator(device=device).manual_seed(nets * 7 + len(shapes))
+        for _ in range(2):  # fresh inputs each check
+            res = _residuals(nets, shapes, dtype, device, gen)
+            s = torch.rand(nets, generator=gen, device=device) * 2
+            out = kernels.control_merge(res, s)
+            for k, (o, r) in enumerate(zip(out, _ref_merge(res, s.cpu()), strict=True)):
+                assert o.dtype == dtype and o.shape == res[0][k].shape
+                _assert_close(o, r, dtype, f"slot {k}")
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("nets", [1, 2])
+def test_control_merge_add_in_place(device, dtype, nets):
+    with _setup(device):
+        gen = torch.Generator(device=device).manual_seed(3)
+        shapes = SD15_SLOTS[:4] + ODD_SLOTS[:2]
+        res = _residuals(nets, shapes, dtype, device, gen)
+        hidden = [torch.randn(s, generator=gen, device=device).to(dtype) for s in shapes]
+        before = [h.clone() for h in hidden]
+        s = torch.tensor([0.7, 1.3][:nets], device=device)
+        kernels.control_merge_add_(hidden, res, s)
+        for k, (h, b, r) in enumerate(zip(hidden, before, _ref_merge(res, s.cpu()), strict=True)):
+            _assert_close(h, b.double() + r, dtype, f"slot {k}")
+
+
+def test_control_merge_zero_strength_leaves_hidden_exact():
+    h = [torch.randn(2, 4, 3, 3).half()]
+    before = h[0].clone()
+    with kernels.use_backend("eager"):
+        kernels.control_merge_add_(h, [[torch.randn(2, 4, 3, 3).half()]], torch.zeros(1))
+    assert torch.equal(h[0], before)
+
+
+def test_control_merge_rejects_mismatched_inputs_with_clear_errors():
+    a = [torch.zeros(1, 2, 3, 3)]
+    b = [torch.zeros(1, 2, 4, 4)]
+    with pytest.raises(ValueError, match=r"residual\[1\]\[0\]"):
+        kernels.control_merge([a, b], torch.ones(2))
+    with pytest.raises(ValueError, match="strengths"):
+        kernels.control_merge([a], torch.ones(2))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape", [(2, 320, 64, 64), (2, 1280, 8, 8), (1, 3, 5, 7), (3, 1, 1, 1)], ids=str
+)
+def test_quantize_int8_matches_reference_and_bounds_error(device, dtype, shape):
+    with _setup(device):
+        gen = torch.Generator(device=device).manual_seed(sum(shape))
+        x = (torch.randn(shape, generator=gen, device=device) * 3).to(dtype)
+        x[0, 0] = 0  # an all-zero plane: scale 0, q 0
+        q, scale = kernels.quantize_int8(x)
+        rq, rscale = _ref_quant(x)
+        assert q.dtype == torch.int8 and scale.dtype == torch.float32
+        assert scale.shape == shape[:2]
+        torch.testing.assert_close(scale.double(), rscale, rtol=1e-6, atol=0)
+        # round-half-even ties and fp32 x/scale can move a value by one step at most
+        assert (q.double() - rq).abs().max().item() <= 1
+        assert (q.double() != rq).double().mean().item() < 1e-3
+        deq = q.double() * scale.double()[..., None, None].reshape(
+            *shape[:2], *([1] * (len(shape) - 2))
+        )
+        bound = scale.double().reshape(*shape[:2], *([1] * (len(shape) - 2))) * 0.5 + 1e-12
+        err = (deq - x.double()).abs()
+        assert (err <= bound * 1.01 + x.double().abs() * TOL[dtype]).all()
+        assert torch.all(q[0, 0] == 0) and scale[0, 0] == 0
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_dequant_add_matches_reference(device, dtype):
+    with _setup(device):
+        gen = torch.Generator(device=device).manual_seed(11)
+        shape = (2, 640, 32, 32)
+        x = torch.randn(shape, generator=gen, device=device).to(dtype)
+        q, scale = kernels.quantize_int8(x)
+        h = torch.randn(shape, generator=gen, device=device).to(dtype)
+        h0 = h.clone()
+        s = torch.tensor(0.75, device=device)
+        kernels.dequant_add_(h, q, scale, s)
+        ref = h0.double() + 0.75 * q.double() * scale.double()[..., None, None]
+        _assert_close(h, ref, dtype, "dequant_add_")
+
+
+def test_group_norm_silu_eager_matches_manual_reference():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, 9, 7, generator=gen)
+    w = torch.rand(64, generator=gen) + 0.5
+    b = torch.randn(64, generator=gen)
+    g = x.double().reshape(2, 32, -1)
+    xn = (
+        (g - g.mean(-1, keepdim=True)) / torch.sqrt(g.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    ).reshape(x.shape)
+    y = xn * w.double()[:, None, None] + b.double()[:, None, None]
+    ref = y * torch.sigmoid(y)
+    got = kernels.group_norm_silu(x, w, b, 32, 1e-5)
+    assert _rel(got, ref) < 1e-6
+
+
+def test_forced_build_failure_falls_back_to_eager_with_a_warning(monkeypatch, caplog):
+    """Any build failure: one warning naming the reason, the cuda backend marked unavailable,
+    and the ops still answer (eagerly)."""
+    _jit.reset_for_tests()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def broken(*a, **k):
+        raise RuntimeError("nvcc exploded: error in control_merge.cu")
+
+    monkeypatch.setattr(_jit, "build", broken)
+    try:
+        with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
+            assert _jit.ensure_loaded() is None
+            assert _jit.ensure_loaded() is None  # tried once only
+        warned = [r.message for r in caplog.records if "unavailable" in r.message]
+        assert len(warned) == 1 and "nvcc exploded" in warned[0]
+        rep = {b["name"]: b for b in kernels.list_backends()}
+        assert rep["cuda"]["available"] is False and "nvcc exploded" in rep["cuda"]["reason"]
+        r = [[torch.ones(1, 2, 2, 2)]]
+        assert registry.select("control_merge", r[0]) == "eager"
+        out = kernels.control_merge(r, torch.tensor([2.0]))
+        assert torch.equal(out[0], torch.full((1, 2, 2, 2), 2.0))
+    finally:
+        _jit.reset_for_tests()
+
+
+def test_force_eager_switch(monkeypatch):
+    _jit.reset_for_tests()
+    monkeypatch.setenv("CNA_FORCE_EAGER", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        assert _jit.ensure_loaded() is None
+        rep = {b["name"]: b for b in kernels.list_backends()}
+        assert "CNA_FORCE_EAGER" in rep["cuda"]["reason"]
+    finally:
+        _jit.reset_for_tests()
+
+
+def test_forcing_an_unusable_backend_lists_every_reason():
+    with kernels.use_backend("cuda"), pytest.raises(kernels.NoCapableBackend, match="cuda: "):
+        kernels.group_norm_silu(torch.zeros(1, 32, 2, 2), torch.ones(32), torch.zeros(32))
+
+
+def test_cache_key_changes_with_sources_and_arch():
+    a = _jit.build_params("9.0")
+    b = _jit.build_params("8.9")
+    assert a != b and a["sources"] == b["sources"]
+    assert set(a) >= {"sources", "torch", "cuda", "arch", "python", "nvcc_flags"}
