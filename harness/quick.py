@@ -40,11 +40,28 @@ def _insert_model_node(class_type: str, **inputs) -> Callable[[dict, dict], None
     return extra
 
 
+def _fused_apply(p: dict, ids: dict) -> None:
+    """Swap every stock Apply ControlNet for Apply ControlNet (Fused): same inputs."""
+    for node in p.values():
+        if node["class_type"] == "ControlNetApplyAdvanced":
+            node["class_type"] = "CNA_ControlNetApplyFused"
+
+
+def _chain(*extras: Callable[[dict, dict], None]) -> Callable[[dict, dict], None]:
+    def extra(p: dict, ids: dict) -> None:
+        for e in extras:
+            e(p, ids)
+
+    return extra
+
+
 # A variant rewires the stock prompt in place: extra(prompt, ids). ``None`` is stock ComfyUI.
 VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {
     "stock": None,
     "cuda_graph": _insert_model_node("CNA_CUDAGraph", enabled=True, max_graphs=8, verify=False),
+    "fused": _fused_apply,
 }
+VARIANTS["fused+graph"] = _chain(_fused_apply, VARIANTS["cuda_graph"])
 
 
 @dataclass

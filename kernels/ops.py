@@ -20,57 +20,66 @@ for _op in ("control_merge", "quantize_int8", "dequant_add"):
 
 
 # -- torch.library registrations (CUDA implementations; fakes for tracing) ---------------------
+# Registered once per process: the pack can be imported under two names (ComfyUI's loader and
+# the test harness), and torch.library refuses a second definition of the same op.
 
 
-@torch.library.custom_op("cna::control_merge", mutates_args=())
-def _control_merge_op(
-    residuals: list[torch.Tensor], strengths: torch.Tensor, num_nets: int
-) -> list[torch.Tensor]:
-    return _jit.module().control_merge(residuals, strengths, num_nets)
+def _registered(name: str) -> bool:
+    try:
+        getattr(torch.ops.cna, name)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
 
 
-@_control_merge_op.register_fake
-def _(residuals, strengths, num_nets):
-    k = len(residuals) // num_nets
-    return [torch.empty_like(r) for r in residuals[:k]]
+def _register() -> None:
+
+    @torch.library.custom_op("cna::control_merge", mutates_args=())
+    def _control_merge_op(
+        residuals: list[torch.Tensor], strengths: torch.Tensor, num_nets: int
+    ) -> list[torch.Tensor]:
+        return _jit.module().control_merge(residuals, strengths, num_nets)
+
+    @_control_merge_op.register_fake
+    def _(residuals, strengths, num_nets):
+        k = len(residuals) // num_nets
+        return [torch.empty_like(r) for r in residuals[:k]]
+
+    @torch.library.custom_op("cna::control_merge_add_", mutates_args=("hidden",))
+    def _control_merge_add_op(
+        hidden: list[torch.Tensor], residuals: list[torch.Tensor], strengths: torch.Tensor
+    ) -> None:
+        _jit.module().control_merge_add_(hidden, residuals, strengths)
+
+    @_control_merge_add_op.register_fake
+    def _(hidden, residuals, strengths):
+        return None
+
+    @torch.library.custom_op("cna::quantize_int8", mutates_args=())
+    def _quantize_int8_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = _jit.module().quantize_int8(x)
+        return q, scale
+
+    @_quantize_int8_op.register_fake
+    def _(x):
+        return (
+            torch.empty(x.shape, dtype=torch.int8, device=x.device),
+            torch.empty(x.shape[:2], dtype=torch.float32, device=x.device),
+        )
+
+    @torch.library.custom_op("cna::dequant_add_", mutates_args=("hidden",))
+    def _dequant_add_op(
+        hidden: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, strength: torch.Tensor
+    ) -> None:
+        _jit.module().dequant_add_(hidden, q, scale, strength)
+
+    @_dequant_add_op.register_fake
+    def _(hidden, q, scale, strength):
+        return None
 
 
-@torch.library.custom_op("cna::control_merge_add_", mutates_args=("hidden",))
-def _control_merge_add_op(
-    hidden: list[torch.Tensor], residuals: list[torch.Tensor], strengths: torch.Tensor
-) -> None:
-    _jit.module().control_merge_add_(hidden, residuals, strengths)
-
-
-@_control_merge_add_op.register_fake
-def _(hidden, residuals, strengths):
-    return None
-
-
-@torch.library.custom_op("cna::quantize_int8", mutates_args=())
-def _quantize_int8_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scale = _jit.module().quantize_int8(x)
-    return q, scale
-
-
-@_quantize_int8_op.register_fake
-def _(x):
-    return (
-        torch.empty(x.shape, dtype=torch.int8, device=x.device),
-        torch.empty(x.shape[:2], dtype=torch.float32, device=x.device),
-    )
-
-
-@torch.library.custom_op("cna::dequant_add_", mutates_args=("hidden",))
-def _dequant_add_op(
-    hidden: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, strength: torch.Tensor
-) -> None:
-    _jit.module().dequant_add_(hidden, q, scale, strength)
-
-
-@_dequant_add_op.register_fake
-def _(hidden, q, scale, strength):
-    return None
+if not _registered("control_merge"):
+    _register()
 
 
 # -- public API ---------------------------------------------------------------------------------

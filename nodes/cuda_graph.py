@@ -195,7 +195,9 @@ def reset_all() -> None:
 def _supported_control_types() -> tuple[type, ...]:
     import comfy.controlnet
 
-    return (comfy.controlnet.ControlNet,)
+    from .fused_apply import FusedControlNet
+
+    return (comfy.controlnet.ControlNet, FusedControlNet)
 
 
 def _tensor_sig(t: torch.Tensor) -> tuple:
@@ -538,6 +540,10 @@ class _chain_overrides:
                 }
             )
             cn.timestep_range = None
+            # FusedControlNet protocol: the host decided activity; the hint buffer is refreshed
+            # before each replay, so its encoding must run inside the graph (no caching).
+            cn.cna_force_active = bool(self.active[i])
+            cn.cna_graph_mode = True
             if i < len(strengths):
                 cn.strength = strengths[i]
             if i < len(hints) and hints[i] is not None:
@@ -553,6 +559,8 @@ class _chain_overrides:
             cn.cond_hint = s["cond_hint"]
             if not s["had_get_control"]:
                 cn.__dict__.pop("get_control", None)
+            cn.__dict__.pop("cna_force_active", None)
+            cn.__dict__.pop("cna_graph_mode", None)
         return False
 
 
@@ -597,6 +605,10 @@ def _on_detach(patcher, unpatch_all=True) -> None:
     Their memory pool is invisible to ComfyUI's memory manager, and the weights they point at
     are about to move anyway (they would be dropped at the next run's address check).
     """
+    if not unpatch_all:
+        # Another clone of the same model is taking over (ComfyUI detaches clones with
+        # unpatch_all=False): the weights stay where they are, and so do the graphs.
+        return
     st = _STATES.get(getattr(patcher, "model", None))
     if st is not None and st.cache.entries:
         with st.lock:

@@ -14,8 +14,9 @@ CATEGORY = "ControlNet Accelerator"
 def node_classes() -> list[type[io.ComfyNode]]:
     """Every node the pack registers, in the order ComfyUI's search shows them."""
     from .nodes_cuda_graph import NODES as GRAPH_NODES
+    from .nodes_fused_apply import NODES as FUSED_NODES
 
-    return [*GRAPH_NODES]
+    return [*FUSED_NODES, *GRAPH_NODES]
 
 
 class ControlNetAcceleratorExtension(ComfyExtension):

@@ -1,0 +1,314 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Fused ControlNet Apply: a ControlNet object that encodes its hint once per run and merges a
+whole chain of ControlNets in one fused pass.
+
+``FusedControlNet`` subclasses ComfyUI's ``comfy.controlnet.ControlNet`` (the sampler only
+duck-types control objects; this is the documented extension point) and changes two things:
+
+1. **Hint encoded once per sampling run.** The ControlNet's ``input_hint_block`` depends only
+   on the hint image (its layers are convolutions and SiLU; ``emb``/``context`` are ignored), yet
+   stock ComfyUI recomputes it at every step. We run the stock forward with that block swapped,
+   for the duration of the call, for a stand-in that returns the encoding cached for this exact
+   hint tensor (same object, address, shape, dtype and device). Bit-identical to stock.
+2. **One merge for the chain.** Consecutive fused ControlNets of a chain are evaluated as a
+   group: each runs its stock ``get_control`` body unscaled (hint preparation, conditioning,
+   forward all exactly as ComfyUI does them), then every residual slot of every active net is
+   scaled by its strength and summed by ``kernels.control_merge`` in one launch (fp32
+   accumulation, one rounding) instead of 13 scale ops per net plus 13 adds per extra net.
+
+Everything else is stock: the range check (start/end percent), hint preprocessing and VAE
+encoding, batching, ``cleanup``. Kinds we do not accelerate never become a FusedControlNet (the
+node hands them to stock Apply ControlNet).
+
+The CUDA Graph glue drives these objects too: during capture it sets ``cna_force_active`` (the
+host already decided which nets run this step) and ``cna_graph_mode`` (the hint buffer is
+refreshed before each replay, so the encoding must be computed inside the graph, not cached).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..kernels import control_merge as fused_merge
+from ..logger import logger
+
+try:  # ComfyUI is the host; keep this module importable for tooling without it
+    import comfy.controlnet as _cn
+
+    _Base = _cn.ControlNet
+except ImportError:  # pragma: no cover - only without ComfyUI
+    _cn = None
+    _Base = object
+
+STATS = {"hint_encodes": 0, "fused_merges": 0}
+_stats_lock = threading.Lock()
+
+
+def _count(key: str) -> None:
+    with _stats_lock:
+        STATS[key] += 1
+
+
+def why_not_fusable(control_net) -> str | None:
+    """None if ``control_net`` can be accelerated, else the reason it runs the stock path."""
+    if _cn is None:
+        return "ComfyUI is not available"
+    if type(control_net) not in (_cn.ControlNet, FusedControlNet):
+        return f"{type(control_net).__name__} (not a standard SD ControlNet)"
+    model = getattr(control_net, "control_model", None)
+    if model is None or not hasattr(model, "input_hint_block"):
+        return "its network has no hint encoder (not an SD/SDXL ControlNet)"
+    if getattr(model, "control_add_embedding", None) is not None:
+        return "Union ControlNet (ControlNet++/ProMax)"
+    if control_net.latent_format is not None:
+        return "a VAE-latent ControlNet (SD3/Flux-style)"
+    return None
+
+
+class _CachedHintBlock:
+    """Stands in for ``input_hint_block`` during one forward; encodes on a cache miss."""
+
+    def __init__(self, owner: FusedControlNet, block):
+        self.owner, self.block = owner, block
+
+    def __call__(self, hint, emb, context):
+        o = self.owner
+        # No version counter here: ComfyUI samples under inference_mode, whose tensors have
+        # none. ComfyUI never edits a prepared hint in place (it replaces the tensor), and
+        # _hint_src keeps the keyed tensor alive so its id and address cannot be reused.
+        key = (id(hint), hint.data_ptr(), tuple(hint.shape), hint.dtype, hint.device)
+        if o._hint_key == key and o._hint_enc is not None:
+            return o._hint_enc
+        enc = self.block(hint, emb, context)
+        _count("hint_encodes")
+        o._hint_key, o._hint_enc, o._hint_src = key, enc, hint
+        return enc
+
+
+class FusedControlNet(_Base):
+    cna_force_active: bool | None = None
+    cna_graph_mode: bool = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._hint_key = None
+        self._hint_enc = None
+        self._hint_src = None  # keeps the keyed tensor alive, so its id cannot be reused
+        self._raw = False
+        self._strength_cache: tuple | None = None
+
+    @classmethod
+    def from_controlnet(cls, cn) -> FusedControlNet:
+        c = cls(
+            None,
+            global_average_pooling=cn.global_average_pooling,
+            load_device=cn.load_device,
+            manual_cast_dtype=cn.manual_cast_dtype,
+        )
+        c.control_model = cn.control_model
+        c.control_model_wrapped = cn.control_model_wrapped
+        cn.copy_to(c)
+        return c
+
+    def copy(self) -> FusedControlNet:
+        return FusedControlNet.from_controlnet(self)
+
+    def cleanup(self):
+        self._hint_key = self._hint_enc = self._hint_src = None
+        super().cleanup()
+
+    # -- the stock body, unscaled, with the hint encoding cached ------------------------------
+
+    def control_merge(self, control, control_prev, output_dtype):
+        if self._raw:
+            return control  # the group merges (and scales) all nets at once
+        return super().control_merge(control, control_prev, output_dtype)
+
+    def _fusable(self) -> bool:
+        return not self.global_average_pooling and self.strength_type == _cn.StrengthType.CONSTANT
+
+    def _active(self, t, sigma_box: list) -> bool:
+        if self.cna_force_active is not None:
+            return bool(self.cna_force_active)
+        rng = self.timestep_range
+        if rng is None:
+            return True
+        if not sigma_box:
+            sigma_box.append(t[0])
+        s = sigma_box[0]
+        return not (s > rng[0] or s < rng[1])
+
+    def _stock_call(self, x_noisy, t, cond, batched_number, transformer_options, raw: bool):
+        """ComfyUI's own get_control for this net alone (no chain, no range check)."""
+        model = self.control_model
+        saved = (self.previous_controlnet, self.timestep_range, self._raw)
+        self.previous_controlnet, self.timestep_range, self._raw = None, None, raw
+        swapped = not self.cna_graph_mode
+        if swapped:
+            model.__dict__["input_hint_block"] = _CachedHintBlock(self, model.input_hint_block)
+        try:
+            return _cn.ControlNet.get_control(
+                self, x_noisy, t, cond, batched_number, transformer_options
+            )
+        finally:
+            if swapped:
+                model.__dict__.pop("input_hint_block", None)
+            self.previous_controlnet, self.timestep_range, self._raw = saved
+
+    # -- the group -----------------------------------------------------------------------------
+
+    def get_control(self, x_noisy, t, cond, batched_number, transformer_options):
+        group = [self]
+        prev = self.previous_controlnet
+        while isinstance(prev, FusedControlNet):
+            group.insert(0, prev)
+            prev = prev.previous_controlnet
+        control_prev = None
+        if prev is not None:
+            control_prev = prev.get_control(x_noisy, t, cond, batched_number, transformer_options)
+
+        sigma_box: list = []
+        active = [cn for cn in group if cn._active(t, sigma_box)]
+        if not active:
+            return control_prev
+        if not all(cn._fusable() for cn in active):
+            # stock semantics net by net (global average pooling, LINEAR_UP), hint still cached
+            out = control_prev
+            for cn in active:
+                out = cn._merge_stock(
+                    cn._stock_call(x_noisy, t, cond, batched_number, transformer_options, raw=True),
+                    out,
+                )
+            return out
+        raws = [
+            cn._stock_call(x_noisy, t, cond, batched_number, transformer_options, raw=True)
+            for cn in active
+        ]
+        merged = _merge_group(raws, _strengths(active, x_noisy.device))
+        _count("fused_merges")
+        return _add_prev(merged, control_prev)
+
+    def _merge_stock(self, raw, control_prev):
+        return _cn.ControlBase.control_merge(self, raw, control_prev, None)
+
+
+def _strengths(nets: list[FusedControlNet], device) -> torch.Tensor:
+    """The nets' strengths as one float32 device tensor, without a host->device copy per step.
+
+    Floats (eager sampling): cached on the outermost net per value tuple. Tensors (the CUDA
+    Graph glue feeds device scalars): stacked on the device, which a graph can capture.
+    """
+    vals = [cn.strength for cn in nets]
+    if any(isinstance(v, torch.Tensor) for v in vals):
+        return torch.stack(
+            [
+                v.to(device=device, dtype=torch.float32).reshape(())
+                if isinstance(v, torch.Tensor)
+                else torch.full((), float(v), device=device)
+                for v in vals
+            ]
+        )
+    owner = nets[-1]
+    key = (tuple(float(v) for v in vals), device)
+    if owner._strength_cache is None or owner._strength_cache[0] != key:
+        owner._strength_cache = (
+            key,
+            torch.tensor([float(v) for v in vals], dtype=torch.float32, device=device),
+        )
+    return owner._strength_cache[1]
+
+
+def _merge_group(raws: list[dict], strengths: torch.Tensor) -> dict:
+    """Scale and sum the nets' residual dicts slot by slot in one fused op."""
+    keys = [k for k in ("input", "middle", "output") if any(r.get(k) for r in raws)]
+    layout = [(k, i) for k in keys for i in range(max(len(r.get(k, [])) for r in raws))]
+    present = [all(_slot(r, k, i) is not None for r in raws) for k, i in layout]
+    if not all(present):  # a net without some slot: fall back to the stock sum for safety
+        return _stock_sum(raws, strengths)
+    residuals = [[_slot(r, k, i) for k, i in layout] for r in raws]
+    merged = fused_merge(residuals, strengths)
+    out: dict = {"input": [], "middle": [], "output": []}
+    for (k, _), m in zip(layout, merged, strict=True):
+        out[k].append(m)
+    return out
+
+
+def _slot(raw: dict, key: str, i: int):
+    lst = raw.get(key, [])
+    return lst[i] if i < len(lst) else None
+
+
+def _stock_sum(raws, strengths):
+    out: dict = {"input": [], "middle": [], "output": []}
+    for n, raw in enumerate(raws):
+        for key, lst in raw.items():
+            for i, x in enumerate(lst):
+                if x is None:
+                    continue
+                x = x * strengths[n].to(x.dtype)
+                o = out.setdefault(key, [])
+                if i >= len(o):
+                    o.append(x)
+                elif o[i] is None:
+                    o[i] = x
+                else:
+                    o[i] = o[i] + x
+    return out
+
+
+def _add_prev(out: dict, control_prev: dict | None) -> dict:
+    """Stock ControlBase.control_merge's handling of the previous (non-fused) chain."""
+    if control_prev is None:
+        return out
+    for key in ("input", "middle", "output"):
+        o = out.setdefault(key, [])
+        for i, prev_val in enumerate(control_prev.get(key, [])):
+            if i >= len(o):
+                o.append(prev_val)
+            elif prev_val is not None:
+                o[i] = prev_val if o[i] is None else prev_val + o[i]
+    return out
+
+
+_logged: set[str] = set()
+
+
+def apply_fused(
+    positive, negative, control_net, image, strength, start_percent, end_percent, vae=None
+):
+    """What the node does: stock Apply ControlNet's wiring with FusedControlNet objects."""
+    if strength == 0:
+        return positive, negative
+    why = why_not_fusable(control_net)
+    if why is not None:
+        if why not in _logged:
+            _logged.add(why)
+            logger.info("Apply ControlNet (Fused): %s runs the stock path", why)
+        import nodes
+
+        return nodes.ControlNetApplyAdvanced().apply_controlnet(
+            positive, negative, control_net, image, strength, start_percent, end_percent, vae=vae
+        )
+    hint = image.movedim(-1, 1)
+    cnets: dict = {}
+    out = []
+    for conditioning in (positive, negative):
+        c = []
+        for t in conditioning:
+            d = t[1].copy()
+            prev = d.get("control", None)
+            if prev in cnets:
+                c_net = cnets[prev]
+            else:
+                c_net = FusedControlNet.from_controlnet(control_net).set_cond_hint(
+                    hint, strength, (start_percent, end_percent), vae=vae
+                )
+                c_net.set_previous_controlnet(prev)
+                cnets[prev] = c_net
+            d["control"] = c_net
+            d["control_apply_to_uncond"] = False
+            c.append([t[0], d])
+        out.append(c)
+    return out[0], out[1]

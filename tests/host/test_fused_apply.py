@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Apply ControlNet (Fused) against stock Apply ControlNet, same random weights and seeds.
+
+Tolerance: on the CPU everything runs in fp32 and the fused merge adds the same fp32 products
+in the same order as stock, so we require relative L2 error ≤ 1e-5 on the final latent (the
+issue's bound; in practice it is exact). On a GPU (``CNA_TEST_GPU=1``, fp16) the fused merge
+rounds once where stock rounds after each scale and add, so we require PSNR ≥ 45 dB.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import workflows as wf
+from comfyui_controlnet_accelerator.harness.quick import VARIANTS
+
+pytestmark = pytest.mark.host
+
+FUSED = VARIANTS["fused"]
+THREE = wf.WORKLOADS["T2"].with_(controlnets=("sd15-tiny-cn-a", "sd15-tiny-cn-b", "sd15-tiny-cn-a"))
+
+
+@pytest.fixture(autouse=True)
+def graph_backend(host, monkeypatch):
+    if host.cpu:
+        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
+
+
+def _fa(host):
+    return sys.modules[host.pack_module_name].nodes.fused_apply
+
+
+def _run(r, wl, seed, extra=None):
+    import folder_paths
+
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
+    p, ids = wf.build_prompt(wl, seed, hints, extra)
+    return r.run(p, ids)
+
+
+def _close(host, stock, got):
+    if host.cpu:
+        rel = (
+            (got.latent.double() - stock.latent.double()).norm() / stock.latent.double().norm()
+        ).item()
+        assert rel <= 1e-5, rel
+    else:
+        assert runner.psnr(stock.latent, got.latent) >= 45.0
+
+
+CASES = {
+    "1cn": wf.WORKLOADS["T1"],
+    "2cn": wf.WORKLOADS["T2"],
+    "3cn": THREE,
+    "2cn-range-strength": wf.WORKLOADS["T2"].with_(
+        start_percent=0.2, end_percent=0.75, strength=0.65
+    ),
+    "1cn-strong": wf.WORKLOADS["T1"].with_(strength=2.5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_matches_stock(host, tiny_models, case):
+    wl = CASES[case].with_(steps=10)
+    r = runner.Runner()
+    stock = _run(r, wl, 31)
+    before = dict(_fa(host).STATS)
+    fused = _run(r, wl, 31, FUSED)
+    _close(host, stock, fused)
+    st = _fa(host).STATS
+    # the hint encoder ran once per ControlNet for the whole run, not once per step
+    assert st["hint_encodes"] - before["hint_encodes"] == len(wl.controlnets)
+    assert st["fused_merges"] - before["fused_merges"] >= 1
+
+
+def test_fused_with_cuda_graph_matches_stock(host, tiny_models):
+    r = runner.Runner()
+    for wl in (
+        wf.WORKLOADS["T2"].with_(steps=8),
+        wf.WORKLOADS["T2"].with_(steps=8, start_percent=0.3, end_percent=0.8),
+    ):
+        stock = _run(r, wl, 41)
+        both = _run(r, wl, 41, VARIANTS["fused+graph"])
+        _close(host, stock, both)
+
+
+def test_stock_apply_then_fused_apply_chain(host, tiny_models):
+    """A chain mixing a stock Apply (inner) with a Fused Apply (outer) equals the stock chain."""
+
+    def outer_fused(p, ids):
+        p[ids["apply_1"]]["class_type"] = "CNA_ControlNetApplyFused"
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T2"].with_(steps=6)
+    stock = _run(r, wl, 42)
+    mixed = _run(r, wl, 42, outer_fused)
+    _close(host, stock, mixed)
+
+
+def test_strength_zero_returns_conditioning_untouched(host, tiny_models):
+    mod = sys.modules[host.pack_module_name]
+    pos, neg = [[torch.zeros(1, 2, 3), {}]], [[torch.zeros(1, 2, 3), {}]]
+    out = mod.nodes.nodes_fused_apply.ControlNetApplyFused.execute(
+        pos, neg, object(), torch.zeros(1, 8, 8, 3), strength=0.0
+    )
+    assert out.result[0] is pos and out.result[1] is neg
+
+
+def test_unsupported_kind_runs_stock_path_with_one_log_line(host, tiny_models, caplog):
+    import comfy.controlnet
+
+    fa = _fa(host)
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+
+    class OtherControl(comfy.controlnet.ControlNet):  # stands in for kinds we do not fuse
+        pass
+
+    other = OtherControl(None)
+    other.control_model, other.control_model_wrapped = cn.control_model, cn.control_model_wrapped
+    cn.copy_to(other)
+    assert "OtherControl" in fa.why_not_fusable(other)
+    assert fa.why_not_fusable(cn) is None
+    pos, neg = [[torch.zeros(1, 77, 768), {}]], [[torch.zeros(1, 77, 768), {}]]
+    img = torch.rand(1, 64, 64, 3)
+    with caplog.at_level("INFO", logger="ControlNetAccelerator"):
+        p1, n1 = fa.apply_fused(pos, neg, other, img, 1.0, 0.0, 1.0)
+        fa.apply_fused(pos, neg, other, img, 1.0, 0.0, 1.0)
+    assert type(p1[0][1]["control"]) is comfy.controlnet.ControlNet  # stock's own copy()
+    assert p1[0][1]["control"] is n1[0][1]["control"]
+    assert sum("runs the stock path" in r.message for r in caplog.records) <= 1
+
+
+def test_fused_object_survives_copy_and_cleanup(host, tiny_models):
+    import comfy.controlnet
+
+    fa = _fa(host)
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    f = fa.FusedControlNet.from_controlnet(cn).set_cond_hint(torch.rand(1, 3, 64, 64), 0.8)
+    c = f.copy()
+    assert type(c) is fa.FusedControlNet and c.strength == 0.8
+    assert c.control_model is cn.control_model
+    c._hint_enc = torch.zeros(1)
+    c.cleanup()
+    assert c._hint_enc is None and c.cond_hint is None
