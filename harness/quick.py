@@ -62,6 +62,34 @@ VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {
     "fused": _fused_apply,
 }
 VARIANTS["fused+graph"] = _chain(_fused_apply, VARIANTS["cuda_graph"])
+# ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
+VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
+VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")
+DEFAULT_VARIANTS = ["stock", "cuda_graph", "fused", "fused+graph"]
+
+# Kernel-name patterns -> op kind, for --op-profile (first match wins; names are lowercased).
+OP_KINDS = [
+    ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+    ("groupnorm", ("group_norm", "groupnorm", "rowwisemoments", "computefusedparams", "gn_")),
+    ("layernorm", ("layer_norm", "layernorm")),
+    (
+        "conv",
+        ("conv", "cudnn", "fprop", "dgrad", "implicit", "winograd", "nchwtonhwc", "nhwctonchw"),
+    ),
+    ("gemm", ("gemm", "cutlass", "cublas", "xmma", "matmul")),
+    ("silu/gelu", ("silu", "gelu", "sigmoid")),
+    ("copy/cat/layout", ("copy", "cat", "memcpy", "memset", "transpose", "permute", "contiguous")),
+    ("elementwise", ("elementwise", "add", "mul", "div", "sub", "fill", "where", "clamp")),
+    ("reduce", ("reduce", "mean", "sum", "max")),
+]
+
+
+def op_kind(name: str) -> str:
+    n = name.lower()
+    for kind, pats in OP_KINDS:
+        if any(p in n for p in pats):
+            return kind
+    return "other"
 
 
 @dataclass
@@ -154,6 +182,7 @@ def run_workload(
     steps: int | None,
     models_dir: Path,
     prog: Progress,
+    op_profile: bool = False,
 ) -> list[Row]:
     import folder_paths
     import torch
@@ -199,6 +228,30 @@ def run_workload(
                 runner.psnr(ref, per_run[v][-1].latent) if ref is not None else None
             )
     busy: dict[str, tuple] = {}
+    op_prof: dict[str, dict] = {}
+    if op_profile and r.cuda:
+        for v in variants:
+            a = run(v, 4000, prof=True)
+            b = run(v, 4001, steps_override=max(1, wl.steps // 2), prof=True)
+            n = wl.steps - max(1, wl.steps // 2)
+            kinds: dict[str, float] = {}
+            for name, ms in a.extra["kernel_ms"].items():
+                kinds[op_kind(name)] = kinds.get(op_kind(name), 0.0) + ms
+            for name, ms in b.extra["kernel_ms"].items():
+                kinds[op_kind(name)] = kinds.get(op_kind(name), 0.0) - ms
+            top = sorted(((ms, name) for name, ms in a.extra["kernel_ms"].items()), reverse=True)
+            op_prof[v] = {
+                "ms_per_step_by_kind": {
+                    k: round(x / n, 4) for k, x in sorted(kinds.items(), key=lambda kv: -kv[1])
+                },
+                "top_kernels_ms_20_steps": [[nm, round(ms, 3)] for ms, nm in top[:25]],
+            }
+            prog.step(
+                f"{wid} {v} op profile: "
+                + ", ".join(
+                    f"{k} {x:.2f}" for k, x in list(op_prof[v]["ms_per_step_by_kind"].items())[:5]
+                )
+            )
     if profile and r.cuda:
         for v in variants:
             a = run(v, 3000, prof=True)
@@ -233,6 +286,8 @@ def run_workload(
             row.resident_mib = statistics.median(x.resident_bytes for x in runs) / MiB
         if v in busy:
             row.gpu_busy_ms_step, row.launches_step = busy[v]
+        if v in op_prof:
+            row.extra["op_profile"] = op_prof[v]
         row.extra["latent_std"] = float(runs[-1].latent.std())
         if v != "stock":
             row.extra["graph_totals"] = _graph_totals()
@@ -281,10 +336,17 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", help="comma list (default: W0..W5 on a GPU, T0..T2 on a CPU)")
     ap.add_argument(
-        "--variants", default=",".join(VARIANTS), help="comma list of: " + ", ".join(VARIANTS)
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"comma list (default {','.join(DEFAULT_VARIANTS)}) of: " + ", ".join(VARIANTS),
     )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved warm rounds (default 3)")
     ap.add_argument("--steps", type=int, help="override the workloads' step count")
+    ap.add_argument(
+        "--op-profile",
+        action="store_true",
+        help="also profile GPU time per op kind (conv, attention, GroupNorm, ...)",
+    )
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler runs")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     ap.add_argument(
@@ -322,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     if "stock" not in variants:
         variants.insert(0, "stock")
     profile = not a.no_profile and not host.cpu
-    per_wl = 1 + len(variants) * (1 + a.rounds + (1 if profile else 0))
+    op_profile = a.op_profile and not host.cpu
+    per_wl = 1 + len(variants) * (1 + a.rounds + (1 if profile else 0) + (1 if op_profile else 0))
     prog = Progress(per_wl * len(wids))
     env = environment()
     prog.note(
@@ -335,7 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     for wid in wids:
-        rows.extend(run_workload(wid, variants, a.rounds, profile, a.steps, models_dir, prog))
+        rows.extend(
+            run_workload(
+                wid, variants, a.rounds, profile, a.steps, models_dir, prog, op_profile=op_profile
+            )
+        )
         partial = {
             "environment": env,
             "workloads": wl_info,

@@ -128,6 +128,7 @@ class Runner:
         res = RunResult(latent, image, step_ms, wall, resident, peak_a, peak_r)
         if prof is not None:
             res.gpu_busy_ms, res.kernels = _kernel_summary(prof)
+            res.extra["kernel_ms"] = _kernel_times(prof)
         return res
 
     def output_of(self, node_id: str) -> list:
@@ -184,6 +185,17 @@ def _kernel_summary(prof) -> tuple[float, int]:
     if cur_e is not None:
         busy += cur_e - cur_s
     return busy / 1e3, kernels
+
+
+def _kernel_times(prof) -> dict[str, float]:
+    """Total device ms per kernel name over the profiled run."""
+    from torch.autograd import DeviceType
+
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e3
+    return out
 
 
 def psnr(ref: torch.Tensor, x: torch.Tensor) -> float:
