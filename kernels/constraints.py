@@ -22,6 +22,7 @@ CONSTRAINTS: dict[str, dict[str, dict]] = {
         "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
     },
     "group_norm_silu": {
+        "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT,)},
         "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
     },
 }

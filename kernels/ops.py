@@ -15,7 +15,7 @@ from . import _jit, eager, registry
 
 for _op in ("control_merge", "quantize_int8", "dequant_add", "group_norm_silu"):
     registry.register("eager", _op)
-for _op in ("control_merge", "quantize_int8", "dequant_add"):
+for _op in ("control_merge", "quantize_int8", "dequant_add", "group_norm_silu"):
     registry.register("cuda", _op)
 
 
@@ -76,6 +76,16 @@ def _register() -> None:
     @_dequant_add_op.register_fake
     def _(hidden, q, scale, strength):
         return None
+
+    @torch.library.custom_op("cna::group_norm_silu", mutates_args=())
+    def _group_norm_silu_op(
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int, eps: float
+    ) -> torch.Tensor:
+        return _jit.module().group_norm_silu(x, weight, bias, groups, eps)
+
+    @_group_norm_silu_op.register_fake
+    def _(x, weight, bias, groups, eps):
+        return torch.empty_like(x)
 
 
 if not _registered("control_merge"):
@@ -170,6 +180,11 @@ def dequant_add_(
 def group_norm_silu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int = 32, eps: float = 1e-5
 ) -> torch.Tensor:
-    """SiLU(GroupNorm(x)) for x (B, C, H, W). Eager only for now (the CUDA kernel is next)."""
-    registry.select("group_norm_silu", [x])
+    """SiLU(GroupNorm(x)) for x (B, C, *spatial); weight, bias (C,) in x's dtype."""
+    if x.dim() < 2 or x.shape[1] % groups:
+        raise ValueError(f"group_norm_silu: x {tuple(x.shape)} needs C divisible by {groups}")
+    if registry.select("group_norm_silu", [x, weight, bias]) == "cuda":
+        return torch.ops.cna.group_norm_silu(
+            x.contiguous(), weight.contiguous(), bias.contiguous(), groups, float(eps)
+        )
     return eager.group_norm_silu(x, weight, bias, groups, eps)

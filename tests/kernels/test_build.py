@@ -30,7 +30,8 @@ def test_cuda_extension_compiles_and_loads(tmp_path):
         spec.loader.exec_module(m)
         from cna_b.kernels import _jit
         mod = _jit.build(arch=_jit.target_arch() or "9.0")
-        for fn in ("control_merge", "control_merge_add_", "quantize_int8", "dequant_add_"):
+        for fn in ("control_merge", "control_merge_add_", "quantize_int8", "dequant_add_",
+                   "group_norm_silu"):
             assert hasattr(mod, fn), fn
         print("BUILT", mod.__name__)
     """)
