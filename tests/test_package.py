@@ -12,7 +12,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli", reason="Python 3.10 needs tomli to read pyproject")
 
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED_DEPS = {"torch", "safetensors", "numpy", "einops", "ninja"}

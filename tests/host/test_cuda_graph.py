@@ -310,3 +310,46 @@ def test_cpu_without_emulation_runs_eager_and_says_why(host, tiny_models, monkey
     d = _delta(before, _totals(host))
     assert d["captures"] == 0 and d["eager"] >= 4, d
     assert any("no CUDA device" in rec.message for rec in caplog.records)
+
+
+def test_batch_two_img2img_and_ksampler_advanced(host, tiny_models):
+    """Batch 2 (CFG batch 4, hint broadcast), partial denoise, and KSamplerAdvanced with a step
+    window: each equals stock under the graph path."""
+
+    def advanced(p, ids):
+        s = p[ids["sampler"]]
+        k = s["inputs"]
+        s["class_type"] = "KSamplerAdvanced"
+        s["inputs"] = {
+            "model": k["model"],
+            "add_noise": "enable",
+            "noise_seed": k["seed"],
+            "steps": k["steps"],
+            "cfg": k["cfg"],
+            "sampler_name": "euler_ancestral",
+            "scheduler": "karras",
+            "positive": k["positive"],
+            "negative": k["negative"],
+            "latent_image": k["latent_image"],
+            "start_at_step": 1,
+            "end_at_step": 6,
+            "return_with_leftover_noise": "disable",
+        }
+
+    def denoise(p, ids):
+        p[ids["sampler"]]["inputs"]["denoise"] = 0.6
+
+    r = runner.Runner()
+    base = wf.WORKLOADS["T2"].with_(steps=7)
+    for wl, change in ((base.with_(batch_size=2), None), (base, denoise), (base, advanced)):
+
+        def with_graph(p, ids, change=change):
+            if change is not None:
+                change(p, ids)
+            GRAPH(p, ids)
+
+        stock, _, _ = _run(r, wl, 17, change)
+        before = _totals(host)
+        graph, _, _ = _run(r, wl, 17, with_graph)
+        _same(host, stock, graph)
+        assert _delta(before, _totals(host))["replays"] >= 2
