@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The example workflows shipped in ``example_workflows/`` (ComfyUI shows them as templates),
+built as API prompts and written in UI format. Regenerate with ``python tools/make_examples.py``;
+a host test converts each file back and runs it on the tiny models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import ui_workflow
+
+SD15_CKPT = "v1-5-pruned-emaonly-fp16.safetensors"
+SD15_CANNY = "control_v11p_sd15_canny_fp16.safetensors"
+SDXL_CKPT = "sd_xl_base_1.0.safetensors"
+SDXL_CANNY = "controlnet-canny-sdxl-1.0.safetensors"
+SDXL_DEPTH = "controlnet-depth-sdxl-1.0.safetensors"
+POS = "a lighthouse on a cliff at sunset, dramatic sky, highly detailed photograph"
+NEG = "blurry, low quality, watermark"
+
+
+def _graph(ckpt: str, nets: list[str], size: int, ksampler_graph: bool) -> tuple[dict, dict]:
+    p: dict = {}
+    titles: dict = {}
+
+    def add(ct, title=None, **inputs):
+        nid = str(len(p) + 1)
+        p[nid] = {"class_type": ct, "inputs": inputs}
+        if title:
+            titles[nid] = title
+        return nid
+
+    ck = add("CheckpointLoaderSimple", ckpt_name=ckpt)
+    pos = add("CLIPTextEncode", "Positive prompt", text=POS, clip=[ck, 1])
+    neg = add("CLIPTextEncode", "Negative prompt", text=NEG, clip=[ck, 1])
+    cp, cn_ = [pos, 0], [neg, 0]
+    for i, net in enumerate(nets):
+        loader = add("ControlNetLoader", control_net_name=net)
+        img = add("LoadImage", f"Control image {i + 1} (edge map / depth map)", image="example.png")
+        ap = add(
+            "CNA_ControlNetApplyFused",
+            positive=cp,
+            negative=cn_,
+            control_net=[loader, 0],
+            image=[img, 0],
+            strength=0.9 if i == 0 else 0.6,
+            start_percent=0.0,
+            end_percent=1.0 if i == 0 else 0.8,
+        )
+        cp, cn_ = [ap, 0], [ap, 1]
+    lat = add("EmptyLatentImage", width=size, height=size, batch_size=1)
+    model = [ck, 0]
+    common = dict(
+        seed=42,
+        steps=25,
+        cfg=7.0,
+        sampler_name="dpmpp_2m",
+        scheduler="karras",
+        positive=cp,
+        negative=cn_,
+        latent_image=[lat, 0],
+        denoise=1.0,
+    )
+    if ksampler_graph:
+        ks = add(
+            "CNA_KSamplerCUDAGraph", model=model, enabled=True, max_graphs=8, verify=False, **common
+        )
+    else:
+        g = add("CNA_CUDAGraph", model=model, enabled=True, max_graphs=8, verify=False)
+        ks = add("KSampler", model=[g, 0], **common)
+    dec = add("VAEDecode", samples=[ks, 0], vae=[ck, 2])
+    add("SaveImage", images=[dec, 0], filename_prefix="controlnet_accelerated")
+    return p, titles
+
+
+EXAMPLES = {
+    "controlnet_sd15_cuda_graph": lambda: _graph(SD15_CKPT, [SD15_CANNY], 512, False),
+    "controlnet_sdxl_two_nets_ksampler_cuda_graph": lambda: _graph(
+        SDXL_CKPT, [SDXL_CANNY, SDXL_DEPTH], 1024, True
+    ),
+}
+
+
+def write_examples(folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, build in EXAMPLES.items():
+        prompt, titles = build()
+        ui = ui_workflow.api_to_ui(prompt, titles)
+        path = folder / f"{name}.json"
+        path.write_text(json.dumps(ui, indent=1) + "\n")
+        out.append(path)
+    return out

@@ -1,0 +1,80 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The shipped example workflows are valid UI graphs of real nodes, match their generator, and
+run end to end (on the tiny models, with the user's model names swapped for ours)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.harness import examples, runner, ui_workflow
+from comfyui_controlnet_accelerator.harness import workflows as wf
+from comfyui_controlnet_accelerator.harness.random_models import SPECS
+
+pytestmark = pytest.mark.host
+ROOT = Path(__file__).resolve().parents[2]
+FILES = sorted((ROOT / "example_workflows").glob("*.json"))
+
+
+def test_there_are_examples():
+    assert {p.stem for p in FILES} == set(examples.EXAMPLES)
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_example_is_a_consistent_ui_graph(host, path):
+    ui = json.loads(path.read_text())
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    for lk in ui["links"]:
+        link_id, src, slot, dst, dslot, typ = lk
+        assert nodes[src]["outputs"][slot]["type"] == typ
+        assert link_id in nodes[src]["outputs"][slot]["links"]
+        assert nodes[dst]["inputs"][dslot]["link"] == link_id
+        assert nodes[dst]["inputs"][dslot]["type"] == typ
+    api = ui_workflow.ui_to_api(ui)  # raises on unknown nodes or widget mismatches
+    again = ui_workflow.api_to_ui(
+        api, {str(n["id"]): n["title"] for n in ui["nodes"] if "title" in n}
+    )
+    assert again == ui
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_example_matches_its_generator(host, path):
+    prompt, titles = examples.EXAMPLES[path.stem]()
+    assert json.loads(path.read_text()) == ui_workflow.api_to_ui(prompt, titles), (
+        "example_workflows/ is stale: run python tools/make_examples.py"
+    )
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
+def test_example_runs_on_tiny_models(host, tiny_models, path, monkeypatch):
+    import folder_paths
+
+    if host.cpu:
+        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
+    api = ui_workflow.ui_to_api(json.loads(path.read_text()))
+    hint = wf.write_hint_images(folder_paths.get_input_directory(), wf.WORKLOADS["T1"])[0]
+    nets = iter([SPECS["sd15-tiny-cn-a"].filename, SPECS["sd15-tiny-cn-b"].filename])
+    ids = {}
+    for nid, node in api.items():
+        ins, ct = node["inputs"], node["class_type"]
+        if ct == "CheckpointLoaderSimple":
+            ins["ckpt_name"] = SPECS["sd15-tiny"].filename
+        elif ct == "ControlNetLoader":
+            ins["control_net_name"] = next(nets)
+        elif ct == "LoadImage":
+            ins["image"] = hint
+        elif ct == "EmptyLatentImage":
+            ins["width"] = ins["height"] = 64
+        elif ct in ("KSampler", "CNA_KSamplerCUDAGraph"):
+            ins["steps"] = 4
+            ids["sampler"] = nid
+        elif ct == "VAEDecode":
+            ids["decode"] = nid
+        elif ct == "SaveImage":
+            node["class_type"] = "PreviewImage"  # keep the test's output folder clean
+            ins.pop("filename_prefix")
+    res = runner.Runner().run(api, ids)
+    assert res.image is not None and res.image.shape == (1, 64, 64, 3)
+    assert torch.isfinite(res.image).all()
