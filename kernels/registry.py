@@ -10,6 +10,7 @@ and the front end. What each op accepts (dtypes, devices) is data in ``constrain
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -32,6 +33,20 @@ class Backend:
 
 _BACKENDS: dict[str, Backend] = {"cuda": Backend("cuda"), "eager": Backend("eager")}
 _forced = threading.local()
+
+# The CUDA kernels are chosen automatically only once their GPU tests have passed on real
+# hardware (tests/kernels, marker cuda). Until then they run only when asked for
+# (CNA_KERNELS=cuda, or use_backend("cuda")): an unverified kernel must never change a picture.
+VALIDATED_ON_GPU = False
+
+
+def _cuda_by_default() -> bool:
+    mode = os.environ.get("CNA_KERNELS", "auto")
+    if mode == "eager":
+        return False
+    if mode == "cuda":
+        return True
+    return VALIDATED_ON_GPU
 
 
 def register(backend: str, op: str) -> None:
@@ -87,7 +102,7 @@ def _why_not(backend: str, op: str, tensors: list[torch.Tensor]) -> str | None:
 def select(op: str, tensors: list[torch.Tensor]) -> str:
     """The backend to run ``op`` on these tensors: forced, else cuda if it can, else eager."""
     forced = getattr(_forced, "name", None)
-    order = [forced] if forced else ["cuda", "eager"]
+    order = [forced] if forced else (["cuda", "eager"] if _cuda_by_default() else ["eager"])
     reasons = []
     for name in order:
         if name == "cuda" and _BACKENDS["cuda"].unavailable is None and op in _BACKENDS["cuda"].ops:
@@ -113,13 +128,18 @@ def list_backends() -> list[dict]:
     out = []
     for b in _BACKENDS.values():
         loaded = True if b.name == "eager" else _jit.is_loaded()
-        out.append(
-            {
-                "name": b.name,
-                "available": b.unavailable is None,
-                "loaded": loaded,
-                "reason": b.unavailable,
-                "ops": sorted(b.ops),
-            }
-        )
+        entry = {
+            "name": b.name,
+            "available": b.unavailable is None,
+            "loaded": loaded,
+            "reason": b.unavailable,
+            "ops": sorted(b.ops),
+        }
+        if b.name == "cuda":
+            entry["used_by_default"] = _cuda_by_default()
+            if not _cuda_by_default() and b.unavailable is None:
+                entry["note"] = (
+                    "not used by default until validated on a GPU; set CNA_KERNELS=cuda to use it"
+                )
+        out.append(entry)
     return out
