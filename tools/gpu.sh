@@ -4,6 +4,10 @@
 # ComfyUI tree) and `.whl` (wheels the machine lacks: torchsde, trampoline, av) carried along.
 #   bash tools/gpu.sh tests [pytest args]     host tests on the GPU
 #   bash tools/gpu.sh bench [benchmark args]  the quick benchmark, results under $OUT
+# Next GPU session, in order (each fits one device call):
+#   bash tools/gpu.sh tests tests/kernels tests/graphs -p no:cacheprovider -rs
+#   bash tools/gpu.sh tests -p no:cacheprovider          (all host tests on the GPU)
+#   bash tools/gpu.sh bench --op-profile                 (W0-W5, stock/cuda_graph/fused/both)
 set -uo pipefail
 OUT=${OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -13,6 +17,9 @@ fi
 export COMFYUI_PATH=${COMFYUI_PATH:-$PWD/.comfy/ComfyUI}
 export CNA_MODELS_DIR=${CNA_MODELS_DIR:-/tmp/cna_models}
 export PYTHONUNBUFFERED=1
+# The GPU machine is where the CUDA kernels get validated: use them (the default elsewhere
+# stays eager until kernels/registry.py's VALIDATED_ON_GPU is set).
+export CNA_KERNELS=${CNA_KERNELS:-cuda}
 what=${1:-}; shift || true
 case "$what" in
   tests) CNA_TEST_GPU=1 python3 -m pytest -q "$@" ;;
