@@ -31,6 +31,7 @@ import threading
 
 import torch
 
+from ..errors import NodeInputError
 from ..kernels import control_merge as fused_merge
 from ..logger import logger
 
@@ -273,6 +274,94 @@ def _add_prev(out: dict, control_prev: dict | None) -> dict:
 
 
 _logged: set[str] = set()
+NODE = "Apply ControlNet (Fused)"
+_FAMILY = {768: "SD1.5", 1024: "SD2.x", 2048: "SDXL", 1280: "SDXL refiner"}
+
+
+def _context_width(control_net) -> int | None:
+    """The text-conditioning width the ControlNet's cross-attention expects, if it has one."""
+    model = getattr(control_net, "control_model", None)
+    if model is None:
+        return None
+    for name, mod in model.named_modules():
+        if name.endswith("attn2.to_k") and hasattr(mod, "in_features"):
+            return int(mod.in_features)
+    return None
+
+
+def _hint_channels(control_net) -> int | None:
+    block = getattr(getattr(control_net, "control_model", None), "input_hint_block", None)
+    try:
+        return int(block[0].in_channels)
+    except (TypeError, AttributeError, IndexError):
+        return None
+
+
+def validate_inputs(
+    positive, negative, control_net, image, strength, start_percent, end_percent
+) -> None:
+    """Refuse inputs that stock ComfyUI would only trip over mid-sampling, or not at all."""
+    if not isinstance(strength, (int, float)) or not (0.0 <= float(strength) <= 10.0):
+        raise NodeInputError(
+            NODE,
+            "strength",
+            f"is {strength!r}, outside 0–10",
+            "Use a value between 0 (off) and 10.",
+        )
+    for name, v in (("start_percent", start_percent), ("end_percent", end_percent)):
+        if not isinstance(v, (int, float)) or not (0.0 <= float(v) <= 1.0):
+            raise NodeInputError(
+                NODE,
+                name,
+                f"is {v!r}, outside 0–1",
+                "Use a fraction of the sampling run between 0 and 1.",
+            )
+    if not isinstance(image, torch.Tensor) or image.dim() != 4:
+        shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise NodeInputError(
+            NODE,
+            "image",
+            f"must be an IMAGE batch (B, H, W, C), got {shape}",
+            "Connect a Load Image node or a ControlNet preprocessor's output.",
+        )
+    if image.numel() == 0 or image.shape[1] < 8 or image.shape[2] < 8:
+        raise NodeInputError(
+            NODE,
+            "image",
+            f"is empty or tiny {tuple(image.shape)}",
+            "Connect a real control image (at least 8×8 pixels).",
+        )
+    want = _hint_channels(control_net)
+    if want is not None and image.shape[-1] != want:
+        raise NodeInputError(
+            NODE,
+            "image",
+            f"has {image.shape[-1]} channels but this ControlNet expects {want}",
+            "Pass an RGB image (a mask or RGBA image needs converting first).",
+        )
+    if not torch.isfinite(image).all():
+        raise NodeInputError(
+            NODE,
+            "image",
+            "contains NaN or infinite values",
+            "Check the node that produced the control image.",
+        )
+    want_ctx = _context_width(control_net)
+    if want_ctx is None:
+        return
+    for cname, cond in (("positive", positive), ("negative", negative)):
+        for t in cond:
+            emb = t[1].get("cross_attn_controlnet", t[0]) if isinstance(t[1], dict) else t[0]
+            if isinstance(emb, torch.Tensor) and emb.dim() >= 2 and emb.shape[-1] != want_ctx:
+                got = emb.shape[-1]
+                raise NodeInputError(
+                    NODE,
+                    "control_net",
+                    f"is a {_FAMILY.get(want_ctx, str(want_ctx) + '-wide')} ControlNet (text "
+                    f"conditioning {want_ctx} wide) but '{cname}' comes from a "
+                    f"{_FAMILY.get(got, str(got) + '-wide')} model ({got} wide)",
+                    "Load a ControlNet made for your checkpoint's model family.",
+                )
 
 
 def apply_fused(
@@ -281,6 +370,7 @@ def apply_fused(
     """What the node does: stock Apply ControlNet's wiring with FusedControlNet objects."""
     if strength == 0:
         return positive, negative
+    validate_inputs(positive, negative, control_net, image, strength, start_percent, end_percent)
     why = why_not_fusable(control_net)
     if why is not None:
         if why not in _logged:

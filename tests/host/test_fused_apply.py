@@ -145,3 +145,37 @@ def test_fused_object_survives_copy_and_cleanup(host, tiny_models):
     c._hint_enc = torch.zeros(1)
     c.cleanup()
     assert c._hint_enc is None and c.cond_hint is None
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(strength=11.0), "'strength' is 11.0, outside 0–10"),
+        (dict(start_percent=-0.1), "'start_percent'"),
+        (dict(image=torch.rand(64, 64, 3)), "'image' must be an IMAGE batch"),
+        (dict(image=torch.rand(1, 0, 64, 3)), "'image' is empty"),
+        (dict(image=torch.rand(1, 64, 64, 4)), "has 4 channels but this ControlNet expects 3"),
+        (dict(image=torch.full((1, 64, 64, 3), float("nan"))), "NaN or infinite"),
+        (dict(positive=[[torch.zeros(1, 77, 2048), {}]]), "SD1.5 ControlNet .* SDXL model"),
+    ],
+)
+def test_bad_inputs_get_an_error_naming_node_input_and_fix(host, tiny_models, bad, match):
+    import comfy.controlnet
+
+    fa = _fa(host)
+    errors = sys.modules[host.pack_module_name].errors
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    args = dict(
+        positive=[[torch.zeros(1, 77, 768), {}]],
+        negative=[[torch.zeros(1, 77, 768), {}]],
+        control_net=cn,
+        image=torch.rand(1, 64, 64, 3),
+        strength=1.0,
+        start_percent=0.0,
+        end_percent=1.0,
+    )
+    args.update(bad)
+    with pytest.raises(errors.NodeInputError, match=match) as e:
+        fa.apply_fused(**args)
+    assert str(e.value).startswith("Apply ControlNet (Fused): input '")
+    assert e.value.fix  # every error says what to do
