@@ -305,9 +305,11 @@ def _graph_totals() -> dict | None:
     from . import comfy_host
 
     try:
-        return dict(comfy_host.pack_module().nodes.cuda_graph.TOTALS)
+        cg = comfy_host.pack_module().nodes.cuda_graph
     except Exception:
         return None
+    reasons = sorted({r for s in cg.graph_stats() for r in s["eager_reasons"]})
+    return {**cg.TOTALS, "eager_reasons": reasons}
 
 
 def _f(x, fmt="{:.2f}"):

@@ -182,12 +182,6 @@ def graph_stats() -> list[dict]:
     return out
 
 
-def reset_all() -> None:
-    """Drop every graph of every model (frees their memory pools)."""
-    for st in list(_STATES.values()):
-        st.cache.clear("reset requested")
-
-
 # ---------------------------------------------------------------------------------------------
 # The patch
 
