@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""The quick benchmark, in one command: ``python benchmark.py`` (``--help`` for options).
+"""The quick benchmark, in one command: ``python benchmark.py`` (``--help`` for options);
+``python benchmark.py --kernels`` runs the kernel microbenchmark instead (GPU only).
 
 This file runs as a script, never imported by ComfyUI. The pack root must not stay on sys.path
 (its ``nodes/`` would shadow ComfyUI's ``nodes`` module), so the pack is imported by file path
@@ -19,7 +20,11 @@ _pack = importlib.util.module_from_spec(_spec)
 sys.modules["comfyui_controlnet_accelerator"] = _pack
 _spec.loader.exec_module(_pack)
 
-from comfyui_controlnet_accelerator.harness.quick import main  # noqa: E402
-
 if __name__ == "__main__":
+    if "--kernels" in sys.argv[1:]:  # the kernel microbenchmark (GPU only)
+        from comfyui_controlnet_accelerator.harness.kernel_bench import main
+
+        sys.exit(main([a for a in sys.argv[1:] if a != "--kernels"]))
+    from comfyui_controlnet_accelerator.harness.quick import main
+
     sys.exit(main())

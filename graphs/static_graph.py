@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import time
 import traceback
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -212,7 +214,11 @@ class GraphCache:
         return entry, eager
 
     def _capture_cuda(self, entry: GraphEntry, fn, warmup: int) -> torch.Tensor:
-        if self._pool is None:
+        if self._pool is None or not self.entries:
+            # A fresh pool whenever no graph of ours is alive: PyTorch (2.11+) refuses to capture
+            # into a pool whose graphs were all released ("use_count > 0 INTERNAL ASSERT" in
+            # the host caching allocator, seen on the H200 after models were unloaded), and that
+            # failed capture_begin then leaves cudaMallocAsync unable to capture at all.
             self._pool = torch.cuda.graph_pool_handle()
         if self._stream is None:
             self._stream = torch.cuda.Stream()
@@ -234,7 +240,13 @@ class GraphCache:
         gc.collect()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            except Exception as e:
+                msg = f"capture_begin: {type(e).__name__}: {e}"
+                if self.async_allocator:
+                    _note_async_failure(msg)
+                raise CaptureFailed(msg) from e
             self.capturing = True
             try:
                 out = fn(*entry.static_inputs)
@@ -252,7 +264,10 @@ class GraphCache:
             try:
                 graph.capture_end()
             except Exception as e:
-                raise CaptureFailed(f"capture_end: {type(e).__name__}: {e}") from e
+                msg = f"capture_end: {type(e).__name__}: {e}"
+                if self.async_allocator:
+                    _note_async_failure(msg)
+                raise CaptureFailed(msg) from e
         cur.wait_stream(side)
         entry.graph = graph
         entry.static_output = out
@@ -283,9 +298,17 @@ class GraphCache:
 
 # Under cudaMallocAsync one failed capture leaves PyTorch's allocator unable to capture again
 # (seen on the H200, torch 2.11: "capture_free_streams.empty() INTERNAL ASSERT FAILED" at the
-# next capture). After the first failure no further capture is attempted in this process: every
-# graph request runs eager, with this reason, until ComfyUI restarts.
-_ASYNC_BROKEN: list[str] = []
+# next capture: when cudaStreamEndCapture fails, the allocator's capture_underway flag is never
+# reset, so every later free is logged as a capture free). After the first failure no further
+# capture is attempted in this process: every graph request runs eager, with this reason, until
+# ComfyUI restarts. The list is process-wide, shared by every copy of this module (the pack can
+# be imported under two names), because the allocator state it describes is.
+_PROCESS_STATE = sys.modules.setdefault(
+    "_cna_graph_process_state", types.ModuleType("_cna_graph_process_state")
+)
+if not hasattr(_PROCESS_STATE, "async_broken"):
+    _PROCESS_STATE.async_broken = []
+_ASYNC_BROKEN: list[str] = _PROCESS_STATE.async_broken
 
 
 def _note_async_failure(msg: str) -> None:

@@ -72,11 +72,10 @@ OP_KINDS = [
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
     ("groupnorm", ("group_norm", "groupnorm", "rowwisemoments", "computefusedparams", "gn_")),
     ("layernorm", ("layer_norm", "layernorm")),
-    (
-        "conv",
-        ("conv", "cudnn", "fprop", "dgrad", "implicit", "winograd", "nchwtonhwc", "nhwctonchw"),
-    ),
-    ("gemm", ("gemm", "cutlass", "cublas", "xmma", "matmul")),
+    # cuDNN's NCHW<->NHWC conversions around each fp16 conv (Hopper kernels are NHWC).
+    ("conv layout", ("nchwtonhwc", "nhwctonchw")),
+    ("conv", ("conv", "cudnn", "fprop", "dgrad", "implicit", "winograd")),
+    ("gemm", ("gemm", "cutlass", "cublas", "xmma", "matmul", "nvjet")),
     ("silu/gelu", ("silu", "gelu", "sigmoid")),
     ("copy/cat/layout", ("copy", "cat", "memcpy", "memset", "transpose", "permute", "contiguous")),
     ("elementwise", ("elementwise", "add", "mul", "div", "sub", "fill", "where", "clamp")),

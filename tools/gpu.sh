@@ -4,6 +4,7 @@
 # ComfyUI tree) and `.whl` (wheels the machine lacks: torchsde, trampoline, av) carried along.
 #   bash tools/gpu.sh tests [pytest args]     host tests on the GPU
 #   bash tools/gpu.sh bench [benchmark args]  the quick benchmark, results under $OUT
+#   bash tools/gpu.sh kernels                 the kernel microbenchmark, results under $OUT
 # Next GPU session, in order (each fits one device call):
 #   bash tools/gpu.sh tests tests/kernels tests/graphs -p no:cacheprovider -rs
 #   bash tools/gpu.sh tests -p no:cacheprovider          (all host tests on the GPU)
@@ -24,5 +25,6 @@ what=${1:-}; shift || true
 case "$what" in
   tests) CNA_TEST_GPU=1 python3 -m pytest -q "$@" ;;
   bench) python3 benchmark.py --out "$OUT" "$@" ;;
-  *) echo "usage: tools/gpu.sh tests|bench [args]" >&2; exit 2 ;;
+  kernels) python3 benchmark.py --kernels --out "$OUT" "$@" ;;
+  *) echo "usage: tools/gpu.sh tests|bench|kernels [args]" >&2; exit 2 ;;
 esac

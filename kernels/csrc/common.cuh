@@ -38,4 +38,14 @@ struct alignas(16) AlignedVec {
   T v[N];
 };
 
+// N int8 values stored together (the int8 side of a 16-byte vector of fp16/bf16/fp32).
+template <int N>
+struct alignas(N) I8Vec {
+  int8_t v[N];
+};
+
+inline bool aligned_to(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 }  // namespace cna

@@ -49,12 +49,17 @@ def test_graph_tests_pass_under_allocator(backend, host):
             "-p",
             "no:cacheprovider",
             "-x",
+            "-o",
+            "log_cli=true",
+            "--log-cli-level=WARNING",
             *files,
             "-k",
             k,
         ]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         lines = (out.stdout + out.stderr).splitlines()
-        tail = "\n".join([ln for ln in lines if "PASSED" in ln or "FAILED" in ln] + lines[-25:])
+        # Test outcomes and the pack's warnings in order, so a failed capture is tied to its test.
+        keep = ("PASSED", "FAILED", "WARNING", "ERROR")
+        tail = "\n".join([ln for ln in lines if any(k in ln for k in keep)][:80] + lines[-25:])
         assert out.returncode == 0, f"{backend} [-k {k}]: rc={out.returncode}\n{tail}"
         assert " passed" in out.stdout, tail

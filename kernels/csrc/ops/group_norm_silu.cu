@@ -11,7 +11,9 @@
 //    keep all SMs busy: at SD 512² a group is 40960 elements, 64 groups x ~10 chunks.
 // 2. finalize: one thread per group combines its S partials into mean and rstd (fp32).
 // 3. apply: flat grid-stride over x; 16-byte vectors when HW is a multiple of the vector width
-//    (a vector then never straddles two channels). fp32 math, one rounding.
+//    (a vector then never straddles two channels), 32-bit index math under 2^31 elements.
+//    fp32 math, one rounding.
+// The stats pass also reads 16-byte vectors when the group size allows (see gn_stats_kernel).
 // Accumulation is fp32 Welford throughout (as PyTorch's GroupNorm), so a large mean does not
 // cancel the variance.
 
@@ -43,22 +45,50 @@ __device__ __forceinline__ Welford combine(Welford a, Welford b) {
   return {n, a.mean + delta * fb, a.m2 + b.m2 + delta * delta * a.n * fb};
 }
 
-template <typename T>
+// VEC: 16-byte loads (V elements), each vector folded into the running Welford state as one
+// batch (its own mean and M2, then Chan's combine): one division per V elements. The host picks
+// it when the group size is a multiple of V and x is 16-byte aligned (chunks are then whole
+// vectors).
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(kGThreads)
     gn_stats_kernel(const T* __restrict__ x, float* __restrict__ partial, int64_t group_size,
                     int64_t chunk) {
+  constexpr int V = 16 / sizeof(T);
   const int64_t g = blockIdx.x;
   const int s = blockIdx.y;
   const int64_t begin = static_cast<int64_t>(s) * chunk;
   const int64_t end = min(begin + chunk, group_size);
   const T* xg = x + g * group_size;
   Welford w{0.f, 0.f, 0.f};
-  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    const float v = to_float(xg[j]);
-    w.n += 1.f;
-    const float d = v - w.mean;
-    w.mean += d / w.n;
-    w.m2 += d * (v - w.mean);
+  if constexpr (VEC) {
+    const AlignedVec<T, V>* xv = reinterpret_cast<const AlignedVec<T, V>*>(xg + begin);
+    const int64_t nvec = (end - begin) / V;
+    for (int64_t j = threadIdx.x; j < nvec; j += blockDim.x) {
+      const AlignedVec<T, V> a = xv[j];
+      float vals[V];
+      float sum = 0.f;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        vals[k] = to_float(a.v[k]);
+        sum += vals[k];
+      }
+      const float vm = sum * (1.f / V);
+      float m2 = 0.f;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float d = vals[k] - vm;
+        m2 += d * d;
+      }
+      w = combine(w, Welford{static_cast<float>(V), vm, m2});
+    }
+  } else {
+    for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+      const float v = to_float(xg[j]);
+      w.n += 1.f;
+      const float d = v - w.mean;
+      w.mean += d / w.n;
+      w.m2 += d * (v - w.mean);
+    }
   }
   for (int off = 16; off > 0; off >>= 1) {
     Welford o{__shfl_xor_sync(0xffffffffu, w.n, off), __shfl_xor_sync(0xffffffffu, w.mean, off),
@@ -94,31 +124,34 @@ __global__ void gn_finalize_kernel(const float* __restrict__ partial, float* __r
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + expf(-v)); }
 
-template <typename T, int V>
+// I: the index type, 32-bit when the tensor has under 2^31 elements (always at SD shapes: the
+// three divisions per vector are then cheap), else 64-bit.
+template <typename T, int V, typename I>
 __global__ void gn_apply_kernel(const T* __restrict__ x, T* __restrict__ y,
                                 const float* __restrict__ mean, const float* __restrict__ rstd,
-                                const T* __restrict__ w, const T* __restrict__ b, int64_t n,
-                                int64_t hw, int64_t channels, int64_t cg) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t nv = n / V;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < nv;
-       j += stride) {
-    const int64_t e = j * V;
-    const int64_t bc = e / hw;  // b * C + c
-    const int64_t c = bc % channels;
-    const int64_t grp = bc / cg;  // b * G + g (channels of a group are consecutive)
+                                const T* __restrict__ w, const T* __restrict__ b, I n, I hw,
+                                I channels, I cg) {
+  const I stride = static_cast<I>(gridDim.x) * blockDim.x;
+  const I nv = n / V;
+  for (I j = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; j < nv; j += stride) {
+    const I e = j * V;
+    const I bc = e / hw;  // b * C + c
+    const I c = bc % channels;
+    const I grp = bc / cg;  // b * G + g (channels of a group are consecutive)
     const float m = mean[grp], r = rstd[grp];
     const float sc = r * to_float(w[c]);
-    const float sh = to_float(b[c]) - m * sc;
+    // (v - m) * sc + b, not v * sc + (b - m * sc): the folded shift cancels badly when
+    // |m * sc| >> |b| (a near-constant group has a huge rstd).
+    const float sh = to_float(b[c]);
     if constexpr (V > 1) {
       using Vec = AlignedVec<T, V>;
       const Vec in = reinterpret_cast<const Vec*>(x)[j];
       Vec out;
 #pragma unroll
-      for (int k = 0; k < V; ++k) out.v[k] = from_float<T>(silu(to_float(in.v[k]) * sc + sh));
+      for (int k = 0; k < V; ++k) out.v[k] = from_float<T>(silu((to_float(in.v[k]) - m) * sc + sh));
       reinterpret_cast<Vec*>(y)[j] = out;
     } else {
-      y[e] = from_float<T>(silu(to_float(x[e]) * sc + sh));
+      y[e] = from_float<T>(silu((to_float(x[e]) - m) * sc + sh));
     }
   }
 }
@@ -144,7 +177,10 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weigh
   const int64_t ngroups = B * groups;
   int64_t chunks = (group_size + kGThreads * kItemsPerThread - 1) / (kGThreads * kItemsPerThread);
   chunks = std::max<int64_t>(1, std::min<int64_t>(chunks, kMaxChunks));
-  const int64_t chunk = (group_size + chunks - 1) / chunks;
+  // Vector loads need whole vectors per chunk: round the chunk up to a multiple of 16 elements
+  // (a multiple of every V) and recount the chunks.
+  const int64_t chunk = ((group_size + chunks - 1) / chunks + 15) / 16 * 16;
+  chunks = (group_size + chunk - 1) / chunk;
   const c10::cuda::CUDAGuard guard(x.device());
   auto opts = x.options().dtype(torch::kFloat);
   auto partial = torch::empty({ngroups, chunks, 3}, opts);
@@ -161,8 +197,13 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weigh
     T* yp = reinterpret_cast<T*>(y.data_ptr());                                                 \
     const T* wp = reinterpret_cast<const T*>(weight.data_ptr());                                \
     const T* bp = reinterpret_cast<const T*>(bias.data_ptr());                                  \
-    gn_stats_kernel<T><<<sgrid, kGThreads, 0, stream>>>(xp, partial.data_ptr<float>(),          \
-                                                         group_size, chunk);                    \
+    constexpr int V = 16 / sizeof(T);                                                           \
+    if (group_size % V == 0 && aligned_to(xp, 16))                                              \
+      gn_stats_kernel<T, true><<<sgrid, kGThreads, 0, stream>>>(xp, partial.data_ptr<float>(),  \
+                                                                 group_size, chunk);            \
+    else                                                                                        \
+      gn_stats_kernel<T, false><<<sgrid, kGThreads, 0, stream>>>(xp, partial.data_ptr<float>(), \
+                                                                  group_size, chunk);           \
     C10_CUDA_KERNEL_LAUNCH_CHECK();                                                             \
     gn_finalize_kernel<<<fin_blocks, 128, 0, stream>>>(partial.data_ptr<float>(),               \
                                                        mean.data_ptr<float>(),                  \
@@ -170,20 +211,24 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weigh
                                                        static_cast<int>(chunks),                \
                                                        static_cast<float>(eps));                \
     C10_CUDA_KERNEL_LAUNCH_CHECK();                                                             \
-    constexpr int V = 16 / sizeof(T);                                                           \
     const bool vec = hw % V == 0 && reinterpret_cast<uintptr_t>(xp) % 16 == 0 &&                \
                      reinterpret_cast<uintptr_t>(yp) % 16 == 0;                                 \
     const int64_t work = vec ? n / V : n;                                                       \
     const int64_t blocks = std::max<int64_t>(                                                   \
         1, std::min<int64_t>((work + 255) / 256, static_cast<int64_t>(sms) * 8));               \
-    if (vec)                                                                                    \
-      gn_apply_kernel<T, V><<<blocks, 256, 0, stream>>>(xp, yp, mean.data_ptr<float>(),         \
-                                                        rstd.data_ptr<float>(), wp, bp, n, hw,  \
-                                                        C, cg);                                 \
+    const bool small = n < (int64_t{1} << 31);                                                  \
+    if (vec && small)                                                                           \
+      gn_apply_kernel<T, V, uint32_t><<<blocks, 256, 0, stream>>>(                              \
+          xp, yp, mean.data_ptr<float>(), rstd.data_ptr<float>(), wp, bp, n, hw, C, cg);        \
+    else if (vec)                                                                               \
+      gn_apply_kernel<T, V, int64_t><<<blocks, 256, 0, stream>>>(                               \
+          xp, yp, mean.data_ptr<float>(), rstd.data_ptr<float>(), wp, bp, n, hw, C, cg);        \
+    else if (small)                                                                             \
+      gn_apply_kernel<T, 1, uint32_t><<<blocks, 256, 0, stream>>>(                              \
+          xp, yp, mean.data_ptr<float>(), rstd.data_ptr<float>(), wp, bp, n, hw, C, cg);        \
     else                                                                                        \
-      gn_apply_kernel<T, 1><<<blocks, 256, 0, stream>>>(xp, yp, mean.data_ptr<float>(),         \
-                                                        rstd.data_ptr<float>(), wp, bp, n, hw,  \
-                                                        C, cg);                                 \
+      gn_apply_kernel<T, 1, int64_t><<<blocks, 256, 0, stream>>>(                               \
+          xp, yp, mean.data_ptr<float>(), rstd.data_ptr<float>(), wp, bp, n, hw, C, cg);        \
     C10_CUDA_KERNEL_LAUNCH_CHECK();                                                             \
   } while (0)
 

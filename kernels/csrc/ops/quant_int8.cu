@@ -9,7 +9,9 @@
 // quantize: one block (256 threads) per plane; pass 1 reduces max|x| (warp shuffles, then
 // shared memory), pass 2 writes q. Planes are 4K-64K elements at SD shapes, read twice (the
 // second read mostly from L2). dequant_add_: flat grid-stride over all elements, plane index
-// = element / HW. Both memory-bound. Strength is a device scalar (no recapture on change).
+// = element / HW. Both memory-bound: 16-byte loads of x/h and 8-byte (fp16/bf16) or 4-byte
+// (fp32) int8 accesses whenever HW is a multiple of the vector width (always at SD shapes);
+// scalar otherwise. Strength is a device scalar (no recapture on change).
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -25,15 +27,34 @@ namespace cna {
 
 constexpr int kQThreads = 256;
 
-template <typename T>
+__device__ __forceinline__ int8_t quant1(float v, float inv) {
+  const float r = rintf(v * inv);  // round half to even, as torch.round
+  return static_cast<int8_t>(fminf(fmaxf(r, -127.f), 127.f));
+}
+
+// VEC: 16-byte loads of x (V = 16 / sizeof(T) elements) and V-byte stores of q; the host picks
+// it when the plane size is a multiple of V and both base pointers are aligned.
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(kQThreads)
     quantize_kernel(const T* __restrict__ x, int8_t* __restrict__ q, float* __restrict__ scale,
                     int64_t plane) {
+  constexpr int V = 16 / sizeof(T);
+  using Vec = AlignedVec<T, V>;
+  using QVec = I8Vec<V>;
   const int64_t p = blockIdx.x;
   const T* xp = x + p * plane;
   int8_t* qp = q + p * plane;
   float m = 0.f;
-  for (int64_t j = threadIdx.x; j < plane; j += blockDim.x) m = fmaxf(m, fabsf(to_float(xp[j])));
+  if constexpr (VEC) {
+    const Vec* xv = reinterpret_cast<const Vec*>(xp);
+    for (int64_t j = threadIdx.x; j < plane / V; j += blockDim.x) {
+      const Vec a = xv[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k) m = fmaxf(m, fabsf(to_float(a.v[k])));
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < plane; j += blockDim.x) m = fmaxf(m, fabsf(to_float(xp[j])));
+  }
   __shared__ float warp_max[kQThreads / 32];
   for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
   if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
@@ -47,23 +68,43 @@ __global__ void __launch_bounds__(kQThreads)
   const float amax = warp_max[0];
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   if (threadIdx.x == 0) scale[p] = amax / 127.f;
-  for (int64_t j = threadIdx.x; j < plane; j += blockDim.x) {
-    float v = rintf(to_float(xp[j]) * inv);  // round half to even, as torch.round
-    v = fminf(fmaxf(v, -127.f), 127.f);
-    qp[j] = static_cast<int8_t>(v);
+  if constexpr (VEC) {
+    const Vec* xv = reinterpret_cast<const Vec*>(xp);
+    QVec* qv = reinterpret_cast<QVec*>(qp);
+    for (int64_t j = threadIdx.x; j < plane / V; j += blockDim.x) {
+      const Vec a = xv[j];
+      QVec o;
+#pragma unroll
+      for (int k = 0; k < V; ++k) o.v[k] = quant1(to_float(a.v[k]), inv);
+      qv[j] = o;
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < plane; j += blockDim.x) qp[j] = quant1(to_float(xp[j]), inv);
   }
 }
 
-template <typename T>
+// V elements per thread step, all in one plane (the host picks V > 1 only when the plane size
+// is a multiple of V and the pointers are aligned), so one division finds the plane for V.
+template <typename T, int V>
 __global__ void dequant_add_kernel(T* __restrict__ h, const int8_t* __restrict__ q,
                                    const float* __restrict__ scale,
                                    const float* __restrict__ strength, int64_t n, int64_t plane) {
   const float s = strength[0];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < n;
+  const int64_t nv = n / V, plane_v = plane / V;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < nv;
        j += stride) {
-    const float f = s * scale[j / plane];
-    h[j] = from_float<T>(to_float(h[j]) + f * static_cast<float>(q[j]));
+    const float f = s * scale[j / plane_v];
+    if constexpr (V > 1) {
+      AlignedVec<T, V> a = reinterpret_cast<AlignedVec<T, V>*>(h)[j];
+      const I8Vec<V> b = reinterpret_cast<const I8Vec<V>*>(q)[j];
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        a.v[k] = from_float<T>(to_float(a.v[k]) + f * static_cast<float>(b.v[k]));
+      reinterpret_cast<AlignedVec<T, V>*>(h)[j] = a;
+    } else {
+      h[j] = from_float<T>(to_float(h[j]) + f * static_cast<float>(q[j]));
+    }
   }
 }
 
@@ -78,25 +119,33 @@ std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x) {
   if (planes == 0) return {q, scale};
   const int64_t plane = x.numel() / planes;
   auto stream = c10::cuda::getCurrentCUDAStream();
+#define CNA_Q_LAUNCH(T)                                                                         \
+  do {                                                                                          \
+    constexpr int V = 16 / sizeof(T);                                                           \
+    const T* xp = reinterpret_cast<const T*>(x.data_ptr());                                     \
+    int8_t* qp = q.data_ptr<int8_t>();                                                          \
+    if (plane % V == 0 && aligned_to(xp, 16) && aligned_to(qp, V))                              \
+      quantize_kernel<T, true><<<planes, kQThreads, 0, stream>>>(xp, qp, scale.data_ptr<float>(), \
+                                                                  plane);                       \
+    else                                                                                        \
+      quantize_kernel<T, false><<<planes, kQThreads, 0, stream>>>(xp, qp,                       \
+                                                                   scale.data_ptr<float>(), plane); \
+  } while (0)
   switch (x.scalar_type()) {
     case at::kHalf:
-      quantize_kernel<__half><<<planes, kQThreads, 0, stream>>>(
-          reinterpret_cast<const __half*>(x.data_ptr()), q.data_ptr<int8_t>(),
-          scale.data_ptr<float>(), plane);
+      CNA_Q_LAUNCH(__half);
       break;
     case at::kBFloat16:
-      quantize_kernel<__nv_bfloat16><<<planes, kQThreads, 0, stream>>>(
-          reinterpret_cast<const __nv_bfloat16*>(x.data_ptr()), q.data_ptr<int8_t>(),
-          scale.data_ptr<float>(), plane);
+      CNA_Q_LAUNCH(__nv_bfloat16);
       break;
     case at::kFloat:
-      quantize_kernel<float><<<planes, kQThreads, 0, stream>>>(
-          x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), plane);
+      CNA_Q_LAUNCH(float);
       break;
     default:
       TORCH_CHECK(false, "quantize_int8: dtype must be float16, bfloat16 or float32, got ",
                   x.scalar_type());
   }
+#undef CNA_Q_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {q, scale};
 }
@@ -123,28 +172,37 @@ void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::T
   const c10::cuda::CUDAGuard guard(h.device());
   const int sms = sm_count();
   const int threads = 256;
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>((n + threads - 1) / threads, static_cast<int64_t>(sms) * 8));
   auto stream = c10::cuda::getCurrentCUDAStream();
   const float* sc = scale.data_ptr<float>();
   const float* st = strength.data_ptr<float>();
   const int8_t* qp = q.data_ptr<int8_t>();
+#define CNA_DQ_LAUNCH(T)                                                                        \
+  do {                                                                                          \
+    constexpr int V = 16 / sizeof(T);                                                           \
+    T* hp = reinterpret_cast<T*>(h.data_ptr());                                                 \
+    const bool vec = plane % V == 0 && aligned_to(hp, 16) && aligned_to(qp, V);                 \
+    const int64_t work = vec ? n / V : n;                                                       \
+    const int64_t blocks = std::max<int64_t>(                                                   \
+        1, std::min<int64_t>((work + threads - 1) / threads, static_cast<int64_t>(sms) * 8));   \
+    if (vec)                                                                                    \
+      dequant_add_kernel<T, V><<<blocks, threads, 0, stream>>>(hp, qp, sc, st, n, plane);       \
+    else                                                                                        \
+      dequant_add_kernel<T, 1><<<blocks, threads, 0, stream>>>(hp, qp, sc, st, n, plane);       \
+  } while (0)
   switch (h.scalar_type()) {
     case at::kHalf:
-      dequant_add_kernel<__half><<<blocks, threads, 0, stream>>>(
-          reinterpret_cast<__half*>(h.data_ptr()), qp, sc, st, n, plane);
+      CNA_DQ_LAUNCH(__half);
       break;
     case at::kBFloat16:
-      dequant_add_kernel<__nv_bfloat16><<<blocks, threads, 0, stream>>>(
-          reinterpret_cast<__nv_bfloat16*>(h.data_ptr()), qp, sc, st, n, plane);
+      CNA_DQ_LAUNCH(__nv_bfloat16);
       break;
     case at::kFloat:
-      dequant_add_kernel<float><<<blocks, threads, 0, stream>>>(h.data_ptr<float>(), qp, sc, st,
-                                                                 n, plane);
+      CNA_DQ_LAUNCH(float);
       break;
     default:
       TORCH_CHECK(false, "dequant_add_: dtype must be float16, bfloat16 or float32");
   }
+#undef CNA_DQ_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,347 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Kernel microbenchmark: each CUDA op of ``kernels/`` against the PyTorch path it replaces, at
+SD1.5 (512², CFG batch 2) and SDXL (1024², CFG batch 2) shapes, fp16.
+
+Two times per case, both medians over ``reps`` repeats:
+- ``graph_us``: GPU time. ``inner`` calls captured in one CUDA graph, replayed, timed with CUDA
+  events, divided by ``inner``. What the op costs inside the CUDA Graph Sampler.
+- ``eager_us``: the same ``inner`` calls launched from Python back to back, timed the same way:
+  the cost outside graphs, where host launch overhead counts too.
+Bandwidth is the op's minimum traffic (each input read once, each output written once) over the
+GPU time, as a fraction of the device copy rate measured in the same run (a 1 GiB
+``copy_``; shared/BENCHMARKS.md gives about 4.25 TB/s for the H200).
+Each case is also checked against the PyTorch path (relative L2 error) before it is timed.
+
+    python benchmark.py --kernels --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SD15_SLOTS = [(2, 320, 64, 64)] * 3 + [
+    (2, 320, 32, 32),
+    (2, 640, 32, 32),
+    (2, 640, 32, 32),
+    (2, 640, 16, 16),
+    (2, 1280, 16, 16),
+    (2, 1280, 16, 16),
+    (2, 1280, 8, 8),
+    (2, 1280, 8, 8),
+    (2, 1280, 8, 8),
+    (2, 1280, 8, 8),
+]
+SDXL_SLOTS = [(2, 320, 128, 128)] * 3 + [
+    (2, 320, 64, 64),
+    (2, 640, 64, 64),
+    (2, 640, 64, 64),
+    (2, 640, 32, 32),
+    (2, 1280, 32, 32),
+    (2, 1280, 32, 32),
+    (2, 1280, 32, 32),
+]
+# The GroupNorm inputs of the ResBlocks (in_layers and out_layers see the same shapes).
+SD15_GN = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8)]
+SDXL_GN = [(2, 320, 128, 128), (2, 640, 64, 64), (2, 1280, 32, 32), (2, 2560, 32, 32)]
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def _time(fn: Callable[[], object], inner: int, reps: int, graph: bool) -> float:
+    """Median microseconds per call."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = None
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(inner):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        if g is not None:
+            g.replay()
+        else:
+            for _ in range(inner):
+                fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / inner)
+    del g
+    return statistics.median(times)
+
+
+def copy_rate() -> float:
+    """Device copy rate in bytes/s (read + write of a 1 GiB buffer)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = _time(lambda d=dst, s=src: d.copy_(s), inner=5, reps=7, graph=False)
+    del src, dst
+    return 2 * (1 << 30) / (us * 1e-6)
+
+
+def _rel(got, ref) -> float:
+    got = got if isinstance(got, (list, tuple)) else [got]
+    ref = ref if isinstance(ref, (list, tuple)) else [ref]
+    num = sum(float((g.double() - r.double()).norm()) ** 2 for g, r in zip(got, ref, strict=True))
+    den = sum(float(r.double().norm()) ** 2 for r in ref) or 1.0
+    return (num / den) ** 0.5
+
+
+def _stock_merge(nets, strengths_f):
+    """Stock ComfyUI's ControlNet.control_merge for a chain: each net's residuals scaled in
+    place (``x *= strength``), then ``o[i] = prev_val + o[i]`` down the chain."""
+    out = None
+    for net, s in zip(nets, strengths_f, strict=True):
+        cur = []
+        for x in net:
+            x.mul_(s)
+            cur.append(x)
+        out = cur if out is None else [p + o for p, o in zip(out, cur, strict=True)]
+    return out
+
+
+def cases(kernels, reps: int, dev: str = "cuda"):
+    """Yield result dicts."""
+
+    dt_ = torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(shape, dtype=dt_):
+        return torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(dtype)
+
+    # a. control merge, 1 and 2 nets, plain and with the UNet's hidden-state add.
+    for arch, slots in (("sd15", SD15_SLOTS), ("sdxl", SDXL_SLOTS)):
+        for n in (1, 2):
+            nets = [[rnd(s) for s in slots] for _ in range(n)]
+            strengths_f = [0.8, 0.55][:n]
+            sdev = torch.tensor(strengths_f, device=dev, dtype=torch.float32)
+            # Stock scales in place; work on copies so repeats do not drift to inf/0.
+            work = [[x.clone() for x in net] for net in nets]
+            ref = [
+                sum(strengths_f[i] * nets[i][k].float() for i in range(n))
+                for k in range(len(slots))
+            ]
+            got = kernels.control_merge(nets, sdev)
+            err = _rel(got, [r.to(dt_) for r in ref])
+            traffic = _nbytes([x for net in nets for x in net]) + _nbytes(nets[0])
+            stock = lambda w=work, f=strengths_f: _stock_merge(w, f)  # noqa: E731
+            fused = lambda r=nets, s=sdev: kernels.control_merge(r, s)  # noqa: E731
+            yield _row(
+                f"control_merge N={n}",
+                arch,
+                len(slots),
+                traffic,
+                err,
+                stock,
+                fused,
+                reps,
+                stock_launches=len(slots) * (2 * n - 1),
+                fused_launches=1,
+            )
+            hidden = [rnd(s) for s in slots]
+
+            def stock_add(hidden=hidden, work=work, strengths_f=strengths_f):
+                for h, c in zip(hidden, _stock_merge(work, strengths_f), strict=True):
+                    h += c
+
+            h2 = [h.clone() for h in hidden]
+            kernels.control_merge_add_(h2, nets, sdev)
+            ref_add = [h.float() + r for h, r in zip(hidden, ref, strict=True)]
+            err = _rel(h2, [r.to(dt_) for r in ref_add])
+            traffic_add = traffic + _nbytes(hidden)
+            yield _row(
+                f"control_merge_add_ N={n}",
+                arch,
+                len(slots),
+                traffic_add,
+                err,
+                stock_add,
+                lambda h=hidden, nets=nets, s=sdev: kernels.control_merge_add_(h, nets, s),
+                reps,
+                stock_launches=len(slots) * 2 * n,
+                fused_launches=1,
+            )
+            del nets, work, hidden, h2
+
+    # b. INT8 quantize per (sample, channel) and dequantize-scale-add, over all slots.
+    for arch, slots in (("sd15", SD15_SLOTS), ("sdxl", SDXL_SLOTS)):
+        xs = [rnd(s) for s in slots]
+
+        def torch_quant(xs=xs):
+            out = []
+            for x in xs:
+                b, c = x.shape[:2]
+                amax = x.reshape(b, c, -1).abs().amax(-1).float()
+                scale = amax / 127.0
+                inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+                q = torch.round(x.float() * inv[:, :, None, None]).clamp_(-127, 127).to(torch.int8)
+                out.append((q, scale))
+            return out
+
+        got = [kernels.quantize_int8(x) for x in xs]
+        ref = torch_quant()
+        err = max(
+            float((gq.int() - rq.int()).abs().max())
+            for (gq, _), (rq, _) in zip(got, ref, strict=True)
+        )
+        traffic = _nbytes(xs) + sum(x.numel() for x in xs)
+        yield _row(
+            "quantize_int8",
+            arch,
+            len(slots),
+            traffic,
+            err,
+            torch_quant,
+            lambda xs=xs: [kernels.quantize_int8(x) for x in xs],
+            reps,
+            err_kind="max |q diff|",
+        )
+        hidden = [rnd(s) for s in slots]
+        qs = got
+        st = torch.tensor(0.7, device=dev)
+
+        def torch_deq(hidden=hidden, qs=qs):
+            for h, (q, sc) in zip(hidden, qs, strict=True):
+                h += (0.7 * sc)[:, :, None, None].to(h.dtype) * q.to(h.dtype)
+
+        h2 = [h.clone() for h in hidden]
+        for h, (q, sc) in zip(h2, qs, strict=True):
+            kernels.dequant_add_(h, q, sc, st)
+        ref = [
+            h.float() + 0.7 * sc[:, :, None, None] * q.float()
+            for h, (q, sc) in zip(hidden, qs, strict=True)
+        ]
+        err = _rel(h2, [r.to(dt_) for r in ref])
+        traffic = 2 * _nbytes(hidden) + sum(h.numel() for h in hidden)
+
+        def cna_deq(hidden=hidden, qs=qs, st=st):
+            for h, (q, sc) in zip(hidden, qs, strict=True):
+                kernels.dequant_add_(h, q, sc, st)
+
+        yield _row("dequant_add_", arch, len(slots), traffic, err, torch_deq, cna_deq, reps)
+        del xs, hidden, h2, qs
+
+    # c. GroupNorm(32) + SiLU, one shape at a time.
+    for arch, shapes in (("sd15", SD15_GN), ("sdxl", SDXL_GN)):
+        for shape in shapes:
+            x = rnd(shape)
+            w = (1 + 0.1 * rnd((shape[1],), torch.float32)).to(dt_)
+            b = (0.1 * rnd((shape[1],), torch.float32)).to(dt_)
+            ref = F.silu(F.group_norm(x.float(), 32, w.float(), b.float(), 1e-5))
+            err = _rel(kernels.group_norm_silu(x, w, b, 32, 1e-5), ref.to(dt_))
+            traffic = 2 * _nbytes([x])
+            yield _row(
+                f"group_norm_silu {shape[1]}x{shape[2]}²",
+                arch,
+                1,
+                traffic,
+                err,
+                lambda x=x, w=w, b=b: F.silu(F.group_norm(x, 32, w, b, 1e-5)),
+                lambda x=x, w=w, b=b: kernels.group_norm_silu(x, w, b, 32, 1e-5),
+                reps,
+            )
+            del x
+
+
+def _row(op, arch, tensors, traffic, err, torch_fn, cna_fn, reps, err_kind="rel L2", **extra):
+    inner = 20
+    t_g = _time(torch_fn, inner, reps, graph=True)
+    c_g = _time(cna_fn, inner, reps, graph=True)
+    t_e = _time(torch_fn, inner, reps, graph=False)
+    c_e = _time(cna_fn, inner, reps, graph=False)
+    return {
+        "op": op,
+        "arch": arch,
+        "tensors": tensors,
+        "traffic_mb": traffic / 1e6,
+        "err": err,
+        "err_kind": err_kind,
+        "torch_graph_us": t_g,
+        "cna_graph_us": c_g,
+        "torch_eager_us": t_e,
+        "cna_eager_us": c_e,
+        "speedup_graph": t_g / c_g,
+        "speedup_eager": t_e / c_e,
+        "cna_bytes_per_s": traffic / (c_g * 1e-6),
+        **extra,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="folder for kernels.json and kernels.md")
+    ap.add_argument("--reps", type=int, default=15)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernel_bench: needs a CUDA GPU")
+        return 2
+    from .. import kernels
+    from ..kernels import registry
+
+    torch.backends.cudnn.benchmark = False
+    with registry.use_backend("cuda"):
+        rate = copy_rate()
+        rows = []
+        for r in cases(kernels, a.reps):
+            r["frac_copy_rate"] = r["cna_bytes_per_s"] / rate
+            rows.append(r)
+            print(
+                f"{r['arch']:5s} {r['op']:32s} err {r['err']:.2e}  "
+                f"graph {r['torch_graph_us']:8.1f} "
+                f"-> {r['cna_graph_us']:8.1f} us ({r['speedup_graph']:.2f}x)  eager "
+                f"{r['torch_eager_us']:8.1f} -> {r['cna_eager_us']:8.1f} us "
+                f"({r['speedup_eager']:.2f}x)  {r['frac_copy_rate'] * 100:5.1f}% of copy",
+                flush=True,
+            )
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "copy_rate_tb_s": rate / 1e12,
+        "dtype": "float16",
+        "reps": a.reps,
+    }
+    print(f"device copy rate {rate / 1e12:.2f} TB/s")
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kernels.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        lines = [
+            "| arch | op | tensors | MB | err | PyTorch graph µs | CNA graph µs | × | "
+            "PyTorch eager µs | CNA eager µs | × | % copy rate |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            lines.append(
+                f"| {r['arch']} | {r['op']} | {r['tensors']} | {r['traffic_mb']:.1f} | "
+                f"{r['err']:.1e} | {r['torch_graph_us']:.1f} | {r['cna_graph_us']:.1f} | "
+                f"{r['speedup_graph']:.2f} | {r['torch_eager_us']:.1f} | {r['cna_eager_us']:.1f} | "
+                f"{r['speedup_eager']:.2f} | {r['frac_copy_rate'] * 100:.0f}% |"
+            )
+        (out / "kernels.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

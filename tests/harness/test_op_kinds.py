@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The benchmark's kernel-name -> op-kind table, on kernel names seen in H200 profiles."""
+
+from __future__ import annotations
+
+import pytest
+from comfyui_controlnet_accelerator.harness.quick import op_kind
+
+
+@pytest.mark.parametrize(
+    "name,kind",
+    [
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
+        (
+            "void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<c10::Half>",
+            "groupnorm",
+        ),
+        ("void cudnn::engines_precompiled::nchwToNhwcKernel<__half, __half, float>", "conv layout"),
+        ("void cudnn::engines_precompiled::nhwcToNchwKernel<__half, __half, float>", "conv layout"),
+        ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x64x64", "conv"),
+        ("nvjet_sm90_hsh_168x128_64x5_1x2_h_bz_coopA_bias_TNN", "gemm"),
+        ("void at::native::vectorized_layer_norm_kernel<c10::Half, float, false>", "layernorm"),
+        ("void cna::gn_apply_kernel<__half, 8, unsigned int>", "groupnorm"),
+    ],
+)
+def test_op_kind(name, kind):
+    assert op_kind(name) == kind
