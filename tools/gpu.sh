@@ -18,8 +18,8 @@ fi
 export COMFYUI_PATH=${COMFYUI_PATH:-$PWD/.comfy/ComfyUI}
 export CNA_MODELS_DIR=${CNA_MODELS_DIR:-/tmp/cna_models}
 export PYTHONUNBUFFERED=1
-# The GPU machine is where the CUDA kernels get validated: use them (the default elsewhere
-# stays eager until kernels/registry.py's VALIDATED_ON_GPU is set).
+# The GPU machine is where the CUDA kernels get validated: always use them here, also while
+# kernels/registry.py's VALIDATED_ON_GPU is False.
 export CNA_KERNELS=${CNA_KERNELS:-cuda}
 what=${1:-}; shift || true
 case "$what" in
