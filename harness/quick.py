@@ -47,6 +47,35 @@ def _fused_apply(p: dict, ids: dict) -> None:
             node["class_type"] = "CNA_ControlNetApplyFused"
 
 
+def _feature_cache(**inputs) -> Callable[[dict, dict], None]:
+    """Put a ControlNet Feature Cache node after every ControlNet loader."""
+    inputs = {
+        "mode": "adaptive",
+        "threshold": 0.15,
+        "every_n": 2,
+        "max_reuse": 2,
+        "storage": "int8",
+        "reuse_start": 0.0,
+        "reuse_end": 1.0,
+        **inputs,
+    }
+
+    def extra(p: dict, ids: dict) -> None:
+        loaders = [k for k in ids if k.startswith("cn_")]
+        for key in loaders:
+            nid = str(max(int(k) for k in p) + 1)
+            p[nid] = {
+                "class_type": "CNA_ControlNetFeatureCache",
+                "inputs": {"control_net": [ids[key], 0], **inputs},
+            }
+            for node in p.values():
+                if node["inputs"].get("control_net") == [ids[key], 0] and node is not p[nid]:
+                    node["inputs"]["control_net"] = [nid, 0]
+            ids[f"cache_{key}"] = nid
+
+    return extra
+
+
 def _chain(*extras: Callable[[dict, dict], None]) -> Callable[[dict, dict], None]:
     def extra(p: dict, ids: dict) -> None:
         for e in extras:
@@ -62,6 +91,25 @@ VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {
     "fused": _fused_apply,
 }
 VARIANTS["fused+graph"] = _chain(_fused_apply, VARIANTS["cuda_graph"])
+# The Feature Cache, alone and on top of graphs + fused apply.
+for _n in (2, 3, 4):
+    VARIANTS[f"cache_every{_n}+graph"] = _chain(
+        _feature_cache(mode="every_n", every_n=_n, max_reuse=_n - 1),
+        _fused_apply,
+        VARIANTS["cuda_graph"],
+    )
+for _th in (0.1, 0.2, 0.3):
+    VARIANTS[f"cache_adaptive{_th}+graph"] = _chain(
+        _feature_cache(mode="adaptive", threshold=_th, max_reuse=3),
+        _fused_apply,
+        VARIANTS["cuda_graph"],
+    )
+VARIANTS["cache_every2"] = _feature_cache(mode="every_n", every_n=2, max_reuse=1)
+VARIANTS["cache_every2_fp16+graph"] = _chain(
+    _feature_cache(mode="every_n", every_n=2, max_reuse=1, storage="fp16"),
+    _fused_apply,
+    VARIANTS["cuda_graph"],
+)
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")
@@ -182,6 +230,7 @@ def run_workload(
     models_dir: Path,
     prog: Progress,
     op_profile: bool = False,
+    decode: bool = False,
 ) -> list[Row]:
     import folder_paths
     import torch
@@ -191,6 +240,8 @@ def run_workload(
     wl = workflows.WORKLOADS[wid]
     if steps is not None:
         wl = wl.with_(steps=steps)
+    if decode:
+        wl = wl.with_(decode=True)
 
     def report(name, done, total):
         prog.note(f"  generating {name}: {100 * done / total:5.1f}%") if done == total else None
@@ -212,11 +263,11 @@ def run_workload(
         prog.step(f"{wid} {v} first run {first[v]:.2f}s")
     per_run: dict[str, list] = {v: [] for v in variants}
     for k in range(rounds):
-        stock_latent = None
+        stock_latent = stock_image = None
         for v in variants:
             res = run(v, 2000 + k)
             if v == "stock":
-                stock_latent = res.latent
+                stock_latent, stock_image = res.latent, res.image
             per_run[v].append(res)
             prog.step(
                 f"{wid} {v} round {k + 1}/{rounds}: {statistics.median(res.step_ms):.2f} ms/step"
@@ -226,6 +277,10 @@ def run_workload(
             per_run[v][-1].extra["psnr"] = (
                 runner.psnr(ref, per_run[v][-1].latent) if ref is not None else None
             )
+            img = per_run[v][-1].image
+            if stock_image is not None and img is not None:
+                per_run[v][-1].extra["image_psnr"] = runner.psnr(stock_image, img)
+                per_run[v][-1].extra["ssim"] = runner.ssim(stock_image, img)
     busy: dict[str, tuple] = {}
     op_prof: dict[str, dict] = {}
     if op_profile and r.cuda:
@@ -288,6 +343,12 @@ def run_workload(
         if v in op_prof:
             row.extra["op_profile"] = op_prof[v]
         row.extra["latent_std"] = float(runs[-1].latent.std())
+        if any("ssim" in x.extra for x in runs):  # decoded images vs stock, worst round
+            row.extra["ssim_vs_stock"] = min(x.extra["ssim"] for x in runs)
+            row.extra["image_psnr_vs_stock_db"] = min(x.extra["image_psnr"] for x in runs)
+        cache = _cache_totals()
+        if cache is not None:
+            row.extra["feature_cache"] = cache
         if v != "stock":
             row.extra["graph_totals"] = _graph_totals()
         row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
@@ -297,6 +358,14 @@ def run_workload(
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
     return rows
+
+
+def _cache_totals() -> dict | None:
+    """Feature Cache counters (network calls computed vs reused) so far in this process."""
+    for name, mod in list(sys.modules.items()):
+        if name.endswith("nodes.feature_cache") and hasattr(mod, "STATS"):
+            return dict(mod.STATS)
+    return None
 
 
 def _graph_totals() -> dict | None:
@@ -349,6 +418,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also profile GPU time per op kind (conv, attention, GroupNorm, ...)",
     )
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler runs")
+    ap.add_argument(
+        "--decode",
+        action="store_true",
+        help="decode the images with the VAE and report PSNR and SSIM vs stock per variant",
+    )
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even if a GPU is present")
     ap.add_argument(
         "--models-dir",
@@ -401,7 +475,15 @@ def main(argv: list[str] | None = None) -> int:
     for wid in wids:
         rows.extend(
             run_workload(
-                wid, variants, a.rounds, profile, a.steps, models_dir, prog, op_profile=op_profile
+                wid,
+                variants,
+                a.rounds,
+                profile,
+                a.steps,
+                models_dir,
+                prog,
+                op_profile=op_profile,
+                decode=a.decode,
             )
         )
         partial = {

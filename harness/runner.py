@@ -206,3 +206,29 @@ def psnr(ref: torch.Tensor, x: torch.Tensor) -> float:
         return float("inf")
     rng = (ref.max() - ref.min()).item()
     return 10.0 * torch.log10(torch.tensor(rng * rng / mse)).item()
+
+
+def ssim(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Mean SSIM (Wang et al. 2004: 11×11 Gaussian window, σ 1.5, K1 0.01, K2 0.03) of two
+    IMAGE batches (B, H, W, C) in [0, 1], over every channel; 1.0 when identical."""
+    import torch.nn.functional as F
+
+    a = ref.double().movedim(-1, 1)
+    b = x.double().movedim(-1, 1)
+    c = a.shape[1]
+    g = torch.exp(-((torch.arange(11, dtype=torch.float64) - 5) ** 2) / (2 * 1.5**2))
+    g = g / g.sum()
+    w = (g[:, None] * g[None, :]).expand(c, 1, 11, 11).contiguous()
+
+    def blur(t):
+        return F.conv2d(t, w, groups=c)
+
+    mu_a, mu_b = blur(a), blur(b)
+    var_a = blur(a * a) - mu_a**2
+    var_b = blur(b * b) - mu_b**2
+    cov = blur(a * b) - mu_a * mu_b
+    c1, c2 = 0.01**2, 0.03**2
+    s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / (
+        (mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2)
+    )
+    return float(s.mean())

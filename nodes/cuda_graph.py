@@ -37,6 +37,7 @@ from ..logger import logger
 WRAPPER_KEY = "cna_cuda_graph"
 ALWAYS_ON_SIGMA = 1e8  # percent_to_sigma(0) is 999999999.9: "from the first step"
 FIRST_STEP = "first step of a run: the ControlNet prepares its hint"
+CACHE_FILL = "ControlNet Feature Cache: first compute fills its buffers (eager, once)"
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,10 @@ def graph_stats() -> list[dict]:
 def _supported_control_types() -> tuple[type, ...]:
     import comfy.controlnet
 
+    from .feature_cache import CachedControlNet
     from .fused_apply import FusedControlNet
 
-    return (comfy.controlnet.ControlNet, FusedControlNet)
+    return (comfy.controlnet.ControlNet, FusedControlNet, CachedControlNet)
 
 
 def _tensor_sig(t: torch.Tensor) -> tuple:
@@ -267,24 +269,38 @@ class CudaGraphPatch:
         base_model = executor.class_obj
         st = _state_for(base_model, self.options, x.device)
         with st.lock:
-            plan = self._plan(
-                st,
-                base_model,
-                x,
-                t,
-                c_concat,
-                c_crossattn,
-                control,
-                call,
-                transformer_options,
-                kwargs,
-            )
-            if isinstance(plan, str):
-                st.note_eager(plan, expected=plan == FIRST_STEP)
-                return eager()
-            return self._run_graph(
-                st, plan, executor, x, t, c_concat, c_crossattn, call, transformer_options, kwargs
-            )
+            try:
+                plan = self._plan(
+                    st,
+                    base_model,
+                    x,
+                    t,
+                    c_concat,
+                    c_crossattn,
+                    control,
+                    call,
+                    transformer_options,
+                    kwargs,
+                )
+                if isinstance(plan, str):
+                    st.note_eager(plan, expected=plan in (FIRST_STEP, CACHE_FILL))
+                    return eager()
+                return self._run_graph(
+                    st,
+                    plan,
+                    executor,
+                    x,
+                    t,
+                    c_concat,
+                    c_crossattn,
+                    call,
+                    transformer_options,
+                    kwargs,
+                )
+            finally:
+                if call is not None:  # Feature Cache decisions pinned for this call only
+                    for cn in _chain(call.control):
+                        cn.__dict__.pop("cna_cache_forced", None)
 
     # -----------------------------------------------------------------------------------------
 
@@ -373,6 +389,11 @@ class CudaGraphPatch:
                     or hint.shape[0] not in (1, x.shape[0])
                 ):
                     return "ControlNet hint does not match this latent size yet (re-preparing it)"
+                cache_part: tuple = ()
+                if hasattr(cn, "cna_cache_plan"):  # ControlNet Feature Cache: compute or reuse
+                    cache_part = cn.cna_cache_plan(x, t, call.args[4])
+                    if cache_part is None:
+                        return CACHE_FILL
                 extra = tuple(sorted((k, repr(v)) for k, v in cn.extra_args.items()))
                 chain_sig.append(
                     (
@@ -385,6 +406,7 @@ class CudaGraphPatch:
                         tuple(cn.extra_conds),
                         cn.manual_cast_dtype,
                         cn.compression_ratio,
+                        cache_part,
                     )
                 )
                 deps[id(cn.control_model)] = st.fingerprint(cn.control_model)

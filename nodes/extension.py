@@ -14,9 +14,10 @@ CATEGORY = "ControlNet Accelerator"
 def node_classes() -> list[type[io.ComfyNode]]:
     """Every node the pack registers, in the order ComfyUI's search shows them."""
     from .nodes_cuda_graph import NODES as GRAPH_NODES
+    from .nodes_feature_cache import NODES as CACHE_NODES
     from .nodes_fused_apply import NODES as FUSED_NODES
 
-    return [*FUSED_NODES, *GRAPH_NODES]
+    return [*FUSED_NODES, *CACHE_NODES, *GRAPH_NODES]
 
 
 class ControlNetAcceleratorExtension(ComfyExtension):

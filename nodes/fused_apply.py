@@ -56,7 +56,9 @@ def why_not_fusable(control_net) -> str | None:
     """None if ``control_net`` can be accelerated, else the reason it runs the stock path."""
     if _cn is None:
         return "ComfyUI is not available"
-    if type(control_net) not in (_cn.ControlNet, FusedControlNet):
+    if type(control_net) not in (_cn.ControlNet, FusedControlNet) and not isinstance(
+        control_net, FusedControlNet
+    ):
         return f"{type(control_net).__name__} (not a standard SD ControlNet)"
     model = getattr(control_net, "control_model", None)
     if model is None or not hasattr(model, "input_hint_block"):
@@ -149,14 +151,20 @@ class FusedControlNet(_Base):
         swapped = not self.cna_graph_mode
         if swapped:
             model.__dict__["input_hint_block"] = _CachedHintBlock(self, model.input_hint_block)
+        self.control_model = self._wrap_model(model, t, transformer_options)
         try:
             return _cn.ControlNet.get_control(
                 self, x_noisy, t, cond, batched_number, transformer_options
             )
         finally:
+            self.control_model = model
             if swapped:
                 model.__dict__.pop("input_hint_block", None)
             self.previous_controlnet, self.timestep_range, self._raw = saved
+
+    def _wrap_model(self, model, t, transformer_options):
+        """What ``get_control`` calls as its network (subclasses put a cache in between)."""
+        return model
 
     # -- the group -----------------------------------------------------------------------------
 
@@ -392,9 +400,13 @@ def apply_fused(
             if prev in cnets:
                 c_net = cnets[prev]
             else:
-                c_net = FusedControlNet.from_controlnet(control_net).set_cond_hint(
-                    hint, strength, (start_percent, end_percent), vae=vae
+                # a FusedControlNet subclass (the Feature Cache's) keeps its class and settings
+                base = (
+                    control_net.copy()
+                    if isinstance(control_net, FusedControlNet)
+                    else FusedControlNet.from_controlnet(control_net)
                 )
+                c_net = base.set_cond_hint(hint, strength, (start_percent, end_percent), vae=vae)
                 c_net.set_previous_controlnet(prev)
                 cnets[prev] = c_net
             d["control"] = c_net

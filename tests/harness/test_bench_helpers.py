@@ -25,3 +25,16 @@ from comfyui_controlnet_accelerator.harness.quick import op_kind
 )
 def test_op_kind(name, kind):
     assert op_kind(name) == kind
+
+
+def test_ssim_is_one_for_identical_images_and_falls_with_noise():
+    import torch
+    from comfyui_controlnet_accelerator.harness.runner import psnr, ssim
+
+    g = torch.Generator().manual_seed(0)
+    img = torch.rand(1, 32, 40, 3, generator=g)
+    assert ssim(img, img) == pytest.approx(1.0)
+    small = (img + 0.02 * torch.randn(img.shape, generator=g)).clamp(0, 1)
+    big = (img + 0.3 * torch.randn(img.shape, generator=g)).clamp(0, 1)
+    assert 1.0 > ssim(img, small) > ssim(img, big) > -1.0
+    assert psnr(img, small) > psnr(img, big)

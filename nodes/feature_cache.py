@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""ControlNet Feature Cache: a ControlNet object that reuses its own residuals across sampling
+steps (``memory/feature_cache.py`` holds the storage and the reuse rule).
+
+``CachedControlNet`` is a ``FusedControlNet`` (so the hint is encoded once per run too) whose
+network call goes through ``_CachingModel``: on a step the policy marks for reuse it returns the
+stored residuals (dequantized from INT8) instead of running the network; otherwise it runs it
+and stores the result. It caches the network's raw output, before strength is applied, so the
+stock or fused Apply node scales and merges it exactly as usual: a strength change never sees
+stale features. ``copy()`` keeps the class, so stock *Apply ControlNet* works with it too.
+
+Invalidation: each Apply makes a new copy (new hint or strength → new, empty cache); ``pre_run``
+(every sampling run: new model, seed, sampler) forgets what is stored; the store key holds the
+input's shape and dtype and the hint's identity (resolution, batch, hint change → compute);
+``cleanup`` (end of sampling) frees the buffers, except those a CUDA graph has captured, which
+live as long as the object (a new run would otherwise recapture its graphs).
+
+Under the CUDA Graph node the decision is made on the host before the replay
+(``cna_cache_plan``), and each decision (compute / reuse) is its own graph signature, together
+with the store's buffer generation.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..logger import logger
+from ..memory.feature_cache import CacheConfig, Decision, ResidualStore, ReusePolicy, step_of
+from .fused_apply import FusedControlNet
+
+STATS = {"computed": 0, "reused": 0}
+_lock = threading.Lock()
+
+
+def _count(key: str) -> None:
+    with _lock:
+        STATS[key] += 1
+
+
+class _CachingModel:
+    """Stands in for ``control_model`` during one ``get_control``: forwards attributes, and
+    routes the forward call through the owner's cache."""
+
+    def __init__(self, owner: CachedControlNet, real, t, transformer_options):
+        self.__dict__.update(cna_owner=owner, cna_real=real, cna_t=t, cna_topts=transformer_options)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["cna_real"], name)
+
+    def __call__(self, x, hint, timesteps, context, **extra):
+        owner, real = self.cna_owner, self.cna_real
+        forced = owner.__dict__.get("cna_cache_forced")
+        if forced is not None:  # decided on the host by the CUDA Graph glue
+            reuse, slot = forced
+        else:
+            reuse, slot = owner._step_decision(x, self.cna_t, self.cna_topts)
+        store = owner._stores.get(slot)
+        key = owner._input_key(x)
+        if reuse:
+            _count("reused")
+            return store.get()
+        out = real(x=x, hint=hint, timesteps=timesteps, context=context, **extra)
+        if owner.cna_cache_cfg.enabled:
+            if store is None:
+                store = owner._stores[slot] = ResidualStore(owner.cna_cache_cfg.storage)
+            store.put(out)
+            if not owner.cna_graph_mode:  # inside a graph the hint is the glue's buffer: the
+                owner._keys[slot] = key  # host recorded the real key in cna_cache_plan
+        _count("computed")
+        return out
+
+
+class CachedControlNet(FusedControlNet):
+    cna_cache_cfg: CacheConfig = CacheConfig(mode="off")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reset_cache_state()
+
+    def _reset_cache_state(self) -> None:
+        self._policy = ReusePolicy(self.cna_cache_cfg)
+        self._stores: dict[int, ResidualStore] = getattr(self, "_stores", {})
+        self._keys: dict[int, tuple] = {}
+        self._memo: tuple | None = None  # (sigma, Decision, calls so far this step)
+        self.cna_last_decision: Decision | None = None
+        self._schedule: tuple | None = None  # (id of the sigmas tensor, list of floats)
+        self.cna_graph_pinned = False
+
+    @classmethod
+    def from_controlnet(cls, cn, cfg: CacheConfig | None = None) -> CachedControlNet:
+        c = super().from_controlnet(cn)
+        c.cna_cache_cfg = cfg if cfg is not None else getattr(cn, "cna_cache_cfg", c.cna_cache_cfg)
+        c._reset_cache_state()
+        c._stores = {}
+        return c
+
+    def copy(self) -> CachedControlNet:
+        return CachedControlNet.from_controlnet(self, self.cna_cache_cfg)
+
+    def pre_run(self, model, percent_to_timestep_function):
+        super().pre_run(model, percent_to_timestep_function)
+        stores = self._stores
+        self._reset_cache_state()
+        self._stores = stores  # buffers kept (a graph may hold them); contents forgotten
+
+    def cleanup(self):
+        if not self.cna_graph_pinned:
+            for s in self._stores.values():
+                s.clear()
+            self._stores = {}
+        self._policy.reset()
+        self._keys = {}
+        self._memo = None
+        super().cleanup()
+
+    def cache_bytes(self) -> int:
+        return sum(s.nbytes() for s in self._stores.values())
+
+    # -- the decision, once per step --------------------------------------------------------
+
+    def _input_key(self, x: torch.Tensor) -> tuple:
+        h = self.cond_hint
+        hint_id = None if h is None else (id(h), h.data_ptr(), tuple(h.shape))
+        return (tuple(x.shape), x.dtype, x.device, hint_id)
+
+    def _step_index(self, sigma: float, topts: dict) -> tuple[int, int] | None:
+        sigmas = (topts or {}).get("sample_sigmas")
+        if sigmas is None:
+            return None
+        if self._schedule is None or self._schedule[0] is not sigmas:
+            self._schedule = (sigmas, [float(v) for v in sigmas.detach().float().cpu()])
+        return step_of(sigma, self._schedule[1])
+
+    def _usable(self, slot: int, key: tuple) -> bool:
+        store = self._stores.get(slot)
+        return store is not None and store.filled and self._keys.get(slot) == key
+
+    def _step_decision(self, x_in, t, topts) -> tuple[bool, int]:
+        """(reuse?, slot) for this network call. The step's decision is made at its first call
+        (slot 0) and followed by its later calls (one per cond batch), each with its own
+        store; a call whose store cannot serve computes."""
+        sigma = float(t[0]) if isinstance(t, torch.Tensor) else float(t)
+        key = self._input_key(x_in)
+        if self._memo is not None and self._memo[0] == sigma:
+            _, d, calls = self._memo
+            self._memo = (sigma, d, calls + 1)
+            return d.reuse and self._usable(calls, key), calls
+        d = Decision(False, None, "cache off")
+        pos = self._step_index(sigma, topts) if self.cna_cache_cfg.enabled else None
+        if pos is not None:
+            step, total = pos
+            d = self._policy.decide(step, total, x_in, sigma, key)
+            if d.reuse and not self._usable(0, key):
+                d = Decision(False, d.estimate, "nothing stored for this input")
+            if d.reuse:
+                self._policy.reused_one()
+            else:
+                self._policy.filled(step, x_in, sigma, key)
+        self._memo = (sigma, d, 1)
+        self.cna_last_decision = d
+        return d.reuse, 0
+
+    def cna_cache_plan(self, x_noisy: torch.Tensor, t: torch.Tensor, topts: dict) -> tuple | None:
+        """CUDA Graph glue: decide this call on the host, before capture or replay, and pin
+        the decision for the graph's own network call (``cna_cache_forced``, cleared by the
+        glue afterwards). Returns the part of the graph signature the cache decides: () when
+        the cache is off, None when this call must run eager (its store is not allocated yet:
+        buffers are allocated outside any capture, once per object)."""
+        if not self.cna_cache_cfg.enabled:
+            return ()
+        dtype = self.manual_cast_dtype or self.control_model.dtype
+        x_in = self.model_sampling_current.calculate_input(t, x_noisy).to(dtype)
+        reuse, slot = self._step_decision(x_in, t, topts)
+        self.cna_cache_forced = (reuse, slot)
+        store = self._stores.get(slot)
+        if store is None or not store.filled:
+            return None  # the first compute fills the buffers eagerly; graphs from then on
+        if not reuse:
+            self._keys[slot] = self._input_key(x_in)
+        self.cna_graph_pinned = True
+        return ("reuse" if reuse else "compute", slot, store.generation)
+
+    # -- the network call -----------------------------------------------------------------
+
+    def _wrap_model(self, model, t, transformer_options):
+        if not self.cna_cache_cfg.enabled:
+            return model
+        return _CachingModel(self, model, t, transformer_options)
+
+
+def apply_cache(control_net, cfg: CacheConfig):
+    """What the node does: a copy of ``control_net`` that caches its residuals."""
+    from .fused_apply import why_not_fusable
+
+    if not cfg.enabled:
+        return control_net
+    why = why_not_fusable(control_net)
+    if why is not None:
+        logger.warning("ControlNet Feature Cache: %s is not cached (runs as it is)", why)
+        return control_net
+    return CachedControlNet.from_controlnet(control_net, cfg)

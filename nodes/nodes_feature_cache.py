@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""ControlNet Feature Cache: the node. Logic in ``feature_cache.py`` and
+``memory/feature_cache.py``."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from ..memory.feature_cache import MODES, STORAGES, CacheConfig
+from .feature_cache import apply_cache
+
+CATEGORY = "ControlNet Accelerator/loaders"
+
+
+class ControlNetFeatureCache(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="CNA_ControlNetFeatureCache",
+            display_name="ControlNet Feature Cache",
+            category=CATEGORY,
+            description=(
+                "Reuses this ControlNet's features across sampling steps instead of running it "
+                "every step (stored INT8, about half the memory of fp16). Place it between Load "
+                "ControlNet Model and Apply ControlNet (stock or Fused). Faster, at a small, "
+                "bounded change to the picture: 'off' gives exactly the uncached result."
+            ),
+            inputs=[
+                io.ControlNet.Input("control_net", tooltip="The ControlNet to cache."),
+                io.Combo.Input(
+                    "mode",
+                    options=list(MODES),
+                    default="adaptive",
+                    tooltip="adaptive: reuse while the estimated change stays under "
+                    "'threshold'; every_n: run the ControlNet every n-th step; off: no cache "
+                    "(the stock result exactly).",
+                ),
+                io.Float.Input(
+                    "threshold",
+                    default=0.15,
+                    min=0.0,
+                    max=2.0,
+                    step=0.01,
+                    tooltip="adaptive: the change in the ControlNet's input (relative) it "
+                    "tolerates before running again. Lower = closer to uncached, slower; 0 "
+                    "never reuses.",
+                ),
+                io.Int.Input(
+                    "every_n",
+                    default=2,
+                    min=1,
+                    max=10,
+                    tooltip="every_n: run the ControlNet on every n-th step, reuse between. 1 "
+                    "never reuses.",
+                ),
+                io.Int.Input(
+                    "max_reuse",
+                    default=2,
+                    min=0,
+                    max=10,
+                    tooltip="At most this many reused steps in a row. 0 turns the cache off.",
+                ),
+                io.Combo.Input(
+                    "storage",
+                    options=list(STORAGES),
+                    default="int8",
+                    tooltip="int8: per-channel quantized (half the memory of fp16, tiny "
+                    "rounding); fp16: exact copies.",
+                ),
+                io.Float.Input(
+                    "reuse_start",
+                    default=0.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    tooltip="Reuse allowed from this fraction of the run (the first step is "
+                    "always computed).",
+                ),
+                io.Float.Input(
+                    "reuse_end",
+                    default=1.0,
+                    min=0.0,
+                    max=1.0,
+                    step=0.01,
+                    tooltip="Reuse allowed up to this fraction of the run (the last step is "
+                    "always computed).",
+                ),
+            ],
+            outputs=[io.ControlNet.Output("control_net_out", display_name="control_net")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, reuse_start=0.0, reuse_end=1.0):
+        # Inputs named here skip ComfyUI's own range check, so both ranges are checked here.
+        for name, v in (("reuse_start", reuse_start), ("reuse_end", reuse_end)):
+            if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                return f"ControlNet Feature Cache: {name} is {v!r}; use a fraction from 0 to 1."
+        if reuse_start > reuse_end:
+            return (
+                f"ControlNet Feature Cache: reuse_start ({reuse_start}) is after reuse_end "
+                f"({reuse_end}); set reuse_start <= reuse_end."
+            )
+        return True
+
+    @classmethod
+    def execute(
+        cls,
+        control_net,
+        mode="adaptive",
+        threshold=0.15,
+        every_n=2,
+        max_reuse=2,
+        storage="int8",
+        reuse_start=0.0,
+        reuse_end=1.0,
+    ) -> io.NodeOutput:
+        cfg = CacheConfig(
+            mode=mode,
+            every_n=every_n,
+            threshold=threshold,
+            max_reuse=max_reuse,
+            storage=storage,
+            reuse_start=reuse_start,
+            reuse_end=reuse_end,
+        )
+        return io.NodeOutput(apply_cache(control_net, cfg))
+
+
+NODES = [ControlNetFeatureCache]
