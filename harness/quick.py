@@ -265,7 +265,11 @@ def run_workload(
     for k in range(rounds):
         stock_latent = stock_image = None
         for v in variants:
+            c0 = _cache_totals()
             res = run(v, 2000 + k)
+            c1 = _cache_totals()
+            if c0 is not None and c1 is not None:
+                res.extra["cache_calls"] = {key: c1[key] - c0[key] for key in c1}
             if v == "stock":
                 stock_latent, stock_image = res.latent, res.image
             per_run[v].append(res)
@@ -346,9 +350,9 @@ def run_workload(
         if any("ssim" in x.extra for x in runs):  # decoded images vs stock, worst round
             row.extra["ssim_vs_stock"] = min(x.extra["ssim"] for x in runs)
             row.extra["image_psnr_vs_stock_db"] = min(x.extra["image_psnr"] for x in runs)
-        cache = _cache_totals()
-        if cache is not None:
-            row.extra["feature_cache"] = cache
+        calls = runs[-1].extra.get("cache_calls")
+        if calls and calls["computed"] + calls["reused"] > 0:
+            row.extra["controlnet_calls"] = calls  # last round: network calls run vs reused
         if v != "stock":
             row.extra["graph_totals"] = _graph_totals()
         row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
@@ -388,16 +392,24 @@ def table(rows: list[Row], wl_info: dict) -> str:
     head = (
         "| workload | variant | ms/step median (min–max) | GPU-busy ms/step | launches/step "
         "| peak alloc MiB (resident) | peak reserved MiB | first-run overhead s "
-        "| PSNR vs stock dB |"
+        "| PSNR vs stock dB | image PSNR / SSIM vs stock | ControlNet calls run/reused |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 11]
     for r in rows:
+        img = (
+            f"{r.extra['image_psnr_vs_stock_db']:.1f} / {r.extra['ssim_vs_stock']:.4f}"
+            if "ssim_vs_stock" in r.extra
+            else "–"
+        )
+        calls = r.extra.get("controlnet_calls")
+        calls_s = f"{calls['computed']}/{calls['reused']}" if calls else "–"
         lines.append(
             f"| {r.workload} ({wl_info[r.workload]}) | {r.variant} | {r.ms_step_median:.2f} "
             f"({r.ms_step_min:.2f}–{r.ms_step_max:.2f}) | {_f(r.gpu_busy_ms_step)} | "
             f"{_f(r.launches_step, '{:.0f}')} | {_f(r.peak_allocated_mib, '{:.0f}')} "
             f"({_f(r.resident_mib, '{:.0f}')}) | {_f(r.peak_reserved_mib, '{:.0f}')} | "
-            f"{r.first_run_overhead_s:.2f} | {_f(r.psnr_vs_stock_db, '{:.1f}')} |"
+            f"{r.first_run_overhead_s:.2f} | {_f(r.psnr_vs_stock_db, '{:.1f}')} | {img} | "
+            f"{calls_s} |"
         )
     return "\n".join(lines)
 

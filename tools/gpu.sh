@@ -5,10 +5,10 @@
 #   bash tools/gpu.sh tests [pytest args]     host tests on the GPU
 #   bash tools/gpu.sh bench [benchmark args]  the quick benchmark, results under $OUT
 #   bash tools/gpu.sh kernels                 the kernel microbenchmark, results under $OUT
-# Next GPU session, in order (each fits one device call):
-#   bash tools/gpu.sh tests tests/kernels tests/graphs -p no:cacheprovider -rs
-#   bash tools/gpu.sh tests -p no:cacheprovider          (all host tests on the GPU)
-#   bash tools/gpu.sh bench --op-profile                 (W0-W5, stock/cuda_graph/fused/both)
+# Next GPU session, in order (each fits one device call; see docs/benchmarks.md "Not yet
+# measured"):
+#   bash tools/gpu.sh tests -p no:cacheprovider -rs      (all host + kernel tests on the GPU)
+#   bash tools/gpu.sh bench --workloads W0,W3,W5 --decode (fused / cache rows not yet measured)
 set -uo pipefail
 OUT=${OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
