@@ -43,8 +43,8 @@ STORAGES = ("int8", "fp16")
 class CacheConfig:
     """What the ControlNet Feature Cache node sets. ``mode="off"`` disables everything."""
 
-    mode: str = "adaptive"
-    every_n: int = 2
+    mode: str = "every_n"
+    every_n: int = 3
     threshold: float = 0.15
     max_reuse: int = 2
     storage: str = "int8"

@@ -30,7 +30,7 @@ class ControlNetFeatureCache(io.ComfyNode):
                 io.Combo.Input(
                     "mode",
                     options=list(MODES),
-                    default="adaptive",
+                    default="every_n",
                     tooltip="adaptive: reuse while the estimated change stays under "
                     "'threshold'; every_n: run the ControlNet every n-th step; off: no cache "
                     "(the stock result exactly).",
@@ -47,7 +47,7 @@ class ControlNetFeatureCache(io.ComfyNode):
                 ),
                 io.Int.Input(
                     "every_n",
-                    default=2,
+                    default=3,
                     min=1,
                     max=10,
                     tooltip="every_n: run the ControlNet on every n-th step, reuse between. 1 "
@@ -106,9 +106,9 @@ class ControlNetFeatureCache(io.ComfyNode):
     def execute(
         cls,
         control_net,
-        mode="adaptive",
+        mode="every_n",
         threshold=0.15,
-        every_n=2,
+        every_n=3,
         max_reuse=2,
         storage="int8",
         reuse_start=0.0,

@@ -66,3 +66,19 @@ def test_pyproject_parses_with_comfyui_config_parser(host):
     assert cfg.tool_comfy.publisher_id
     assert cfg.tool_comfy.display_name
     assert cfg.project.supported_comfyui_version.startswith(">=")
+
+
+def test_nodes_md_documents_every_node_and_input(host):
+    import asyncio
+
+    from comfyui_controlnet_accelerator.harness.comfy_host import PACK_ROOT
+
+    doc = (PACK_ROOT / "NODES.md").read_text(encoding="utf-8")
+    mod = sys.modules[host.pack_module_name]
+    ext = asyncio.run(mod.comfy_entrypoint())
+    for cls in asyncio.run(ext.get_node_list()):
+        schema = cls.define_schema()
+        assert f"`{schema.node_id}`" in doc, f"NODES.md lacks {schema.node_id}"
+        section = doc.split(f"`{schema.node_id}`", 1)[1].split("\n## ", 1)[0]
+        for inp in schema.inputs:
+            assert f"`{inp.id}`" in section, f"NODES.md: {schema.node_id} lacks input {inp.id}"
