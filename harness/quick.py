@@ -93,6 +93,10 @@ VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {
     "fused": _fused_apply,
 }
 VARIANTS["fused+graph"] = _chain(_fused_apply, VARIANTS["cuda_graph"])
+# Experimental: channels-last convolution weights during sampling (nodes/channels_last.py).
+VARIANTS["cuda_graph_cl"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, channels_last=True
+)
 # The Feature Cache, alone and on top of graphs + fused apply.
 for _n in (2, 3, 4):
     VARIANTS[f"cache_every{_n}+graph"] = _chain(

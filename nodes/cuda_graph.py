@@ -33,6 +33,7 @@ import torch
 
 from ..graphs import GraphCache, backend_name
 from ..logger import logger
+from .channels_last import LayoutSwap
 
 WRAPPER_KEY = "cna_cuda_graph"
 ALWAYS_ON_SIGMA = 1e8  # percent_to_sigma(0) is 999999999.9: "from the first step"
@@ -46,6 +47,7 @@ class GraphOptions:
     max_graphs: int = 8
     verify: bool = False
     verify_tol: float = 1e-2
+    channels_last: bool = False  # experimental: see channels_last.py
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,6 +211,7 @@ class CudaGraphPatch:
 
     def __init__(self, options: GraphOptions):
         self.options = options
+        self._layout: LayoutSwap | None = None  # channels-last weights of the current run
 
     # OUTER_SAMPLE: a new sampling run begins
     def outer_sample_wrapper(self, executor, *args, **kwargs):
@@ -219,7 +222,14 @@ class CudaGraphPatch:
             st = _STATES.get(model)
             if st is not None:
                 st.run_id += 1
-        return executor(*args, **kwargs)
+        if not (self.options.enabled and self.options.channels_last):
+            return executor(*args, **kwargs)
+        self._layout = LayoutSwap()
+        try:
+            return executor(*args, **kwargs)
+        finally:  # the weights go back to ComfyUI's layout however the run ends
+            layout, self._layout = self._layout, None
+            layout.restore()
 
     # CALC_COND_BATCH: defer control calls to APPLY_MODEL
     def calc_cond_batch_wrapper(self, executor, model, conds, x_in, timestep, model_options):
@@ -267,6 +277,11 @@ class CudaGraphPatch:
         if not self.options.enabled:
             return eager()
         base_model = executor.class_obj
+        if self._layout is not None:
+            self._layout.ensure(getattr(base_model, "diffusion_model", None))
+            if call is not None:
+                for cn in _chain(call.control):
+                    self._layout.ensure(getattr(cn, "control_model", None))
         st = _state_for(base_model, self.options, x.device)
         with st.lock:
             try:
@@ -417,7 +432,8 @@ class CudaGraphPatch:
                     tensors.append((f"cond.{k}", v))
                     sig.append((f"cond.{k}", _tensor_sig(v)))
             sig.append(("batched_number", batched_number))
-        key = (id(base_model), tuple(sig), tuple(chain_sig))
+        # the weights' memory layout is baked into the captured kernels
+        key = (id(base_model), tuple(sig), tuple(chain_sig), self._layout is not None)
         return _Plan(key, tensors, chain, active, deps)
 
     def _run_graph(self, st, plan, executor, x, t, c_concat, c_crossattn, call, topts, kwargs):

@@ -28,8 +28,17 @@ _VERIFY_TIP = (
 )
 
 
-def _options(enabled: bool, max_graphs: int, verify: bool) -> GraphOptions:
-    return GraphOptions(enabled=enabled, max_graphs=max_graphs, verify=verify)
+_CL_TIP = (
+    "Experimental, not yet measured: hold the convolution weights in channels-last layout "
+    "while sampling (saves cuDNN's layout conversions; same values, put back after the run). "
+    "Off by default."
+)
+
+
+def _options(enabled: bool, max_graphs: int, verify: bool, channels_last: bool) -> GraphOptions:
+    return GraphOptions(
+        enabled=enabled, max_graphs=max_graphs, verify=verify, channels_last=channels_last
+    )
 
 
 def _graph_inputs() -> list:
@@ -37,6 +46,7 @@ def _graph_inputs() -> list:
         io.Boolean.Input("enabled", default=True, tooltip=_ENABLE_TIP),
         io.Int.Input("max_graphs", default=8, min=1, max=64, step=1, tooltip=_MAX_TIP),
         io.Boolean.Input("verify", default=False, tooltip=_VERIFY_TIP),
+        io.Boolean.Input("channels_last", default=False, optional=True, tooltip=_CL_TIP),
     ]
 
 
@@ -63,10 +73,13 @@ class CUDAGraphModel(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, enabled=True, max_graphs=8, verify=False) -> io.NodeOutput:
+    def execute(
+        cls, model, enabled=True, max_graphs=8, verify=False, channels_last=False
+    ) -> io.NodeOutput:
         if not enabled:
             return io.NodeOutput(model)
-        return io.NodeOutput(apply_cuda_graph(model, _options(enabled, max_graphs, verify)))
+        opts = _options(enabled, max_graphs, verify, channels_last)
+        return io.NodeOutput(apply_cuda_graph(model, opts))
 
 
 class KSamplerCUDAGraph(io.ComfyNode):
@@ -151,11 +164,12 @@ class KSamplerCUDAGraph(io.ComfyNode):
         enabled=True,
         max_graphs=8,
         verify=False,
+        channels_last=False,
     ):
         import nodes
 
         if enabled:
-            model = apply_cuda_graph(model, _options(enabled, max_graphs, verify))
+            model = apply_cuda_graph(model, _options(enabled, max_graphs, verify, channels_last))
         (latent,) = nodes.common_ksampler(
             model,
             seed,

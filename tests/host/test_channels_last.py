@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Channels-last weights during sampling (the CUDA Graph node's experimental option).
+
+On the CPU (fp32) the convolutions may pick another algorithm for the other layout, so we
+require relative L2 ≤ 1e-5 against the same graph without it; the weights must come back with
+the same values, layout and storage after every run, interrupted runs included.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import workflows as wf
+from comfyui_controlnet_accelerator.harness.quick import VARIANTS
+
+pytestmark = pytest.mark.host
+
+WL = wf.WORKLOADS["T2"].with_(steps=6)
+
+
+@pytest.fixture(autouse=True)
+def cpu_layout(host, monkeypatch):
+    if host.cpu:
+        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
+        cl = sys.modules[host.pack_module_name].nodes.channels_last
+        monkeypatch.setattr(cl, "DEVICES", ("cuda", "cpu"))
+
+
+def _run(r, wl, seed, extra=None, on_step=None):
+    import folder_paths
+
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
+    p, ids = wf.build_prompt(wl, seed, hints, extra)
+    return r.run(p, ids, on_step=on_step)
+
+
+def _conv_weights():
+    """Every Conv2d weight of every loaded model: (tensor, address, checksum, contiguous)."""
+    import comfy.model_management
+
+    out = []
+    for lm in comfy.model_management.current_loaded_models:
+        model = lm.model.model if lm.model is not None else None
+        if model is None:
+            continue
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                w = m.weight
+                out.append((w, w.data_ptr(), float(w.detach().double().sum()), w.is_contiguous()))
+    return out
+
+
+def test_relayout_keeps_values_and_storage():
+    from comfyui_controlnet_accelerator.nodes.channels_last import relayout_
+
+    w = torch.randn(8, 3, 3, 3)
+    ref, ptr = w.clone(), w.data_ptr()
+    assert relayout_(w, torch.channels_last)
+    assert w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+    assert w.data_ptr() == ptr and torch.equal(w, ref)
+    assert not relayout_(w, torch.channels_last)  # already there
+    assert relayout_(w, torch.contiguous_format)
+    assert w.is_contiguous() and w.data_ptr() == ptr and torch.equal(w, ref)
+    assert not relayout_(w[:, :2], torch.channels_last)  # a view: left alone
+
+
+def test_channels_last_matches_and_puts_the_weights_back(host, tiny_models):
+    r = runner.Runner()
+    plain = _run(r, WL, 21, VARIANTS["cuda_graph"])
+    before = _conv_weights()
+    assert before and all(c for *_, c in before)
+    cl = _run(r, WL, 21, VARIANTS["cuda_graph_cl"])
+    rel = (cl.latent.double() - plain.latent.double()).norm() / plain.latent.double().norm()
+    assert rel.item() <= 1e-5, rel.item()
+    after = {id(w): (p, s, c) for w, p, s, c in _conv_weights()}
+    for w, p, s, c in before:
+        if id(w) in after:
+            assert after[id(w)] == (p, s, c)  # same storage, same values, NCHW again
+
+
+def test_interrupted_run_still_puts_the_weights_back(host, tiny_models):
+    import comfy.model_management
+
+    r = runner.Runner()
+    _run(r, WL, 22)
+    before = _conv_weights()
+    layouts = []
+
+    def interrupt(step):
+        layouts.append(
+            any(
+                w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+                for w, *_ in _conv_weights()
+            )
+        )
+        if step == 2:
+            comfy.model_management.interrupt_current_processing(True)
+
+    with pytest.raises(runner.WorkflowFailed, match="interrupted"):
+        _run(r, WL, 23, VARIANTS["cuda_graph_cl"], on_step=interrupt)
+    assert any(layouts), "the weights were never channels-last during the run"
+    after = {id(w): (p, s, c) for w, p, s, c in _conv_weights()}
+    for w, p, s, c in before:
+        if id(w) in after:
+            assert after[id(w)] == (p, s, c)
