@@ -93,6 +93,17 @@ VARIANTS: dict[str, Callable[[dict, dict], None] | None] = {
     "fused": _fused_apply,
 }
 VARIANTS["fused+graph"] = _chain(_fused_apply, VARIANTS["cuda_graph"])
+
+
+def _positive_only(p: dict, ids: dict) -> None:
+    """Fused apply with its positive_only option on."""
+    _fused_apply(p, ids)
+    for node in p.values():
+        if node["class_type"] == "CNA_ControlNetApplyFused":
+            node["inputs"]["positive_only"] = True
+
+
+VARIANTS["fused_positive_only+graph"] = _chain(_positive_only, VARIANTS["cuda_graph"])
 # Experimental: channels-last convolution weights during sampling (nodes/channels_last.py).
 VARIANTS["cuda_graph_cl"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, channels_last=True

@@ -401,7 +401,7 @@ class CudaGraphPatch:
                 if (
                     hint.shape[2] != x.shape[2] * cn.compression_ratio
                     or hint.shape[3] != x.shape[3] * cn.compression_ratio
-                    or hint.shape[0] not in (1, x.shape[0])
+                    or x.shape[0] % hint.shape[0]  # 1, the batch, or one CFG chunk
                 ):
                     return "ControlNet hint does not match this latent size yet (re-preparing it)"
                 cache_part: tuple = ()
@@ -422,6 +422,8 @@ class CudaGraphPatch:
                         cn.manual_cast_dtype,
                         cn.compression_ratio,
                         cache_part,
+                        type(cn).__name__,
+                        getattr(cn, "cna_positive_only", False),
                     )
                 )
                 deps[id(cn.control_model)] = st.fingerprint(cn.control_model)

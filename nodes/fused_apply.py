@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - only without ComfyUI
     _cn = None
     _Base = object
 
-STATS = {"hint_encodes": 0, "fused_merges": 0}
+STATS = {"hint_encodes": 0, "fused_merges": 0, "positive_only": 0}
 _stats_lock = threading.Lock()
 
 
@@ -93,6 +93,9 @@ class _CachedHintBlock:
 class FusedControlNet(_Base):
     cna_force_active: bool | None = None
     cna_graph_mode: bool = False
+    # Run the net on the positive half of the CFG batch only and give the negative half the same
+    # residuals (half the ControlNet work; changes the picture slightly). Off by default.
+    cna_positive_only: bool = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -113,6 +116,8 @@ class FusedControlNet(_Base):
         c.control_model = cn.control_model
         c.control_model_wrapped = cn.control_model_wrapped
         cn.copy_to(c)
+        if "cna_positive_only" in cn.__dict__:
+            c.cna_positive_only = cn.cna_positive_only
         return c
 
     def copy(self) -> FusedControlNet:
@@ -182,6 +187,15 @@ class FusedControlNet(_Base):
         active = [cn for cn in group if cn._active(t, sigma_box)]
         if not active:
             return control_prev
+        half = _positive_half(active, x_noisy, t, cond, transformer_options)
+        if half is not None and all(cn._fusable() for cn in active):
+            # ControlNets on the positive chunk only; every chunk then gets its residuals
+            xs, ts, cs, n_chunks = half
+            raws = [cn._stock_call(xs, ts, cs, 1, transformer_options, raw=True) for cn in active]
+            merged = _merge_group(raws, _strengths(active, x_noisy.device))
+            _count("fused_merges")
+            _count("positive_only")
+            return _add_prev(_tile(merged, n_chunks), control_prev)
         if not all(cn._fusable() for cn in active):
             # stock semantics net by net (global average pooling, LINEAR_UP), hint still cached
             out = control_prev
@@ -201,6 +215,33 @@ class FusedControlNet(_Base):
 
     def _merge_stock(self, raw, control_prev):
         return _cn.ControlBase.control_merge(self, raw, control_prev, None)
+
+
+def _positive_half(active, x_noisy, t, cond, topts):
+    """(x, t, cond, number of chunks) of the positive chunk when every active net runs on it
+    alone and the batch is one positive chunk plus negative ones of the same size; else None.
+    """
+    if not all(getattr(cn, "cna_positive_only", False) for cn in active):
+        return None
+    order = list((topts or {}).get("cond_or_uncond") or [])
+    n = len(order)
+    if n < 2 or order.count(0) != 1 or x_noisy.shape[0] % n:
+        return None  # no CFG negative in this batch, or several positive chunks (areas)
+    size = x_noisy.shape[0] // n
+    lo = order.index(0) * size
+    total = x_noisy.shape[0]
+
+    def part(v):
+        if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == total:
+            return v[lo : lo + size]
+        return v
+
+    return part(x_noisy), part(t), {k: part(v) for k, v in cond.items()}, n
+
+
+def _tile(out: dict, n: int) -> dict:
+    """Every chunk of the batch gets the positive chunk's residuals."""
+    return {k: [None if r is None else torch.cat([r] * n) for r in lst] for k, lst in out.items()}
 
 
 def _strengths(nets: list[FusedControlNet], device) -> torch.Tensor:
@@ -373,7 +414,15 @@ def validate_inputs(
 
 
 def apply_fused(
-    positive, negative, control_net, image, strength, start_percent, end_percent, vae=None
+    positive,
+    negative,
+    control_net,
+    image,
+    strength,
+    start_percent,
+    end_percent,
+    vae=None,
+    positive_only=False,
 ):
     """What the node does: stock Apply ControlNet's wiring with FusedControlNet objects."""
     if strength == 0:
@@ -407,6 +456,7 @@ def apply_fused(
                     else FusedControlNet.from_controlnet(control_net)
                 )
                 c_net = base.set_cond_hint(hint, strength, (start_percent, end_percent), vae=vae)
+                c_net.cna_positive_only = bool(positive_only)
                 c_net.set_previous_controlnet(prev)
                 cnets[prev] = c_net
             d["control"] = c_net

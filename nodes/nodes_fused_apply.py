@@ -59,6 +59,15 @@ class ControlNetApplyFused(io.ComfyNode):
                     optional=True,
                     tooltip="Only for ControlNets that need one (SD3/Flux-style).",
                 ),
+                io.Boolean.Input(
+                    "positive_only",
+                    default=False,
+                    optional=True,
+                    tooltip="Run the ControlNet on the positive prompt's half of the CFG batch "
+                    "only and give the negative half the same features: about half the "
+                    "ControlNet's work, a slightly different picture. Off (default): exactly "
+                    "the stock result.",
+                ),
             ],
             outputs=[
                 io.Conditioning.Output("positive_out", display_name="positive"),
@@ -77,9 +86,18 @@ class ControlNetApplyFused(io.ComfyNode):
         start_percent=0.0,
         end_percent=1.0,
         vae=None,
+        positive_only=False,
     ) -> io.NodeOutput:
         pos, neg = apply_fused(
-            positive, negative, control_net, image, strength, start_percent, end_percent, vae=vae
+            positive,
+            negative,
+            control_net,
+            image,
+            strength,
+            start_percent,
+            end_percent,
+            vae=vae,
+            positive_only=positive_only,
         )
         return io.NodeOutput(pos, neg)
 

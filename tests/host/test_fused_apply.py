@@ -15,7 +15,7 @@ import pytest
 import torch
 from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
-from comfyui_controlnet_accelerator.harness.quick import VARIANTS
+from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain
 
 pytestmark = pytest.mark.host
 
@@ -179,3 +179,50 @@ def test_bad_inputs_get_an_error_naming_node_input_and_fix(host, tiny_models, ba
         fa.apply_fused(**args)
     assert str(e.value).startswith("Apply ControlNet (Fused): input '")
     assert e.value.fix  # every error says what to do
+
+
+def _positive_only(p, ids):
+    FUSED(p, ids)
+    for node in p.values():
+        if node["class_type"] == "CNA_ControlNetApplyFused":
+            node["inputs"]["positive_only"] = True
+
+
+def test_positive_only_runs_the_controlnets_on_half_the_batch(host, tiny_models, monkeypatch):
+    import comfy.cldm.cldm
+
+    batches = []
+    orig = comfy.cldm.cldm.ControlNet.forward
+
+    def spy(self, x, *a, **k):
+        batches.append(x.shape[0])
+        return orig(self, x, *a, **k)
+
+    monkeypatch.setattr(comfy.cldm.cldm.ControlNet, "forward", spy)
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T2"].with_(steps=6)
+    stock = _run(r, wl, 51)
+    full = list(batches)
+    batches.clear()
+    before = _fa(host).STATS["positive_only"]
+    half = _run(r, wl, 51, _positive_only)
+    assert full and set(full) == {2}  # cond + uncond
+    assert batches and set(batches) == {1}  # the positive chunk only
+    assert _fa(host).STATS["positive_only"] - before == wl.steps
+    rel = ((half.latent - stock.latent).norm() / stock.latent.norm()).item()
+    assert 0 < rel < 0.5, rel  # changed (the negative half gets the positive's features), sane
+    # with the CUDA Graph node it is the same computation
+    both = _run(r, wl, 51, _chain(_positive_only, VARIANTS["cuda_graph"]))
+    if host.cpu:
+        assert torch.equal(both.latent, half.latent)
+    else:
+        assert runner.psnr(half.latent, both.latent) >= 45.0
+
+
+def test_positive_only_changes_nothing_without_a_negative_batch(host, tiny_models):
+    """cfg 1.0: ComfyUI skips the negative pass, so there is no half to save."""
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4, cfg=1.0)
+    stock = _run(r, wl, 52)
+    got = _run(r, wl, 52, _positive_only)
+    _close(host, stock, got)
