@@ -19,7 +19,9 @@ POS = "a lighthouse on a cliff at sunset, dramatic sky, highly detailed photogra
 NEG = "blurry, low quality, watermark"
 
 
-def _graph(ckpt: str, nets: list[str], size: int, ksampler_graph: bool) -> tuple[dict, dict]:
+def _graph(
+    ckpt: str, nets: list[str], size: int, ksampler_graph: bool, feature_cache: bool = False
+) -> tuple[dict, dict]:
     p: dict = {}
     titles: dict = {}
 
@@ -36,6 +38,19 @@ def _graph(ckpt: str, nets: list[str], size: int, ksampler_graph: bool) -> tuple
     cp, cn_ = [pos, 0], [neg, 0]
     for i, net in enumerate(nets):
         loader = add("ControlNetLoader", control_net_name=net)
+        if feature_cache:
+            loader = add(
+                "CNA_ControlNetFeatureCache",
+                "ControlNet Feature Cache (mode off = exact result)",
+                control_net=[loader, 0],
+                mode="every_n",
+                threshold=0.15,
+                every_n=3,
+                max_reuse=2,
+                storage="int8",
+                reuse_start=0.0,
+                reuse_end=1.0,
+            )
         img = add("LoadImage", f"Control image {i + 1} (edge map / depth map)", image="example.png")
         ap = add(
             "CNA_ControlNetApplyFused",
@@ -77,6 +92,9 @@ EXAMPLES = {
     "controlnet_sd15_cuda_graph": lambda: _graph(SD15_CKPT, [SD15_CANNY], 512, False),
     "controlnet_sdxl_two_nets_ksampler_cuda_graph": lambda: _graph(
         SDXL_CKPT, [SDXL_CANNY, SDXL_DEPTH], 1024, True
+    ),
+    "controlnet_sdxl_feature_cache_cuda_graph": lambda: _graph(
+        SDXL_CKPT, [SDXL_CANNY], 1024, False, feature_cache=True
     ),
 }
 
