@@ -84,8 +84,7 @@ class CachedControlNet(FusedControlNet):
         self._stores: dict[int, ResidualStore] = getattr(self, "_stores", {})
         self._keys: dict[int, tuple] = {}
         self._memo: tuple | None = None  # (sigma, Decision, calls so far this step)
-        self.cna_last_decision: Decision | None = None
-        self._schedule: tuple | None = None  # (id of the sigmas tensor, list of floats)
+        self._schedule: tuple | None = None  # (the run's sigmas tensor, its values as floats)
         self.cna_graph_pinned = False
 
     @classmethod
@@ -159,7 +158,6 @@ class CachedControlNet(FusedControlNet):
             else:
                 self._policy.filled(step, x_in, sigma, key)
         self._memo = (sigma, d, 1)
-        self.cna_last_decision = d
         return d.reuse, 0
 
     def cna_cache_plan(self, x_noisy: torch.Tensor, t: torch.Tensor, topts: dict) -> tuple | None:
