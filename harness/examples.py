@@ -5,9 +5,11 @@ a host test converts each file back and runs it on the tiny models."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+from ..memory.feature_cache import CacheConfig
 from . import ui_workflow
 
 SD15_CKPT = "v1-5-pruned-emaonly-fp16.safetensors"
@@ -43,13 +45,7 @@ def _graph(
                 "CNA_ControlNetFeatureCache",
                 "ControlNet Feature Cache (mode off = exact result)",
                 control_net=[loader, 0],
-                mode="every_n",
-                threshold=0.15,
-                every_n=3,
-                max_reuse=2,
-                storage="int8",
-                reuse_start=0.0,
-                reuse_end=1.0,
+                **dataclasses.asdict(CacheConfig()),  # the node's defaults
             )
         img = add("LoadImage", f"Control image {i + 1} (edge map / depth map)", image="example.png")
         ap = add(

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# The residual slots of a ControlNet (13 for SD1.5 at 512², 10 for SDXL at 1024²; CFG batch 2).
+# Shared with the kernel and feature-cache tests.
 SD15_SLOTS = [(2, 320, 64, 64)] * 3 + [
     (2, 320, 32, 32),
     (2, 640, 32, 32),

@@ -49,16 +49,11 @@ def _fused_apply(p: dict, ids: dict) -> None:
 
 def _feature_cache(**inputs) -> Callable[[dict, dict], None]:
     """Put a ControlNet Feature Cache node after every ControlNet loader."""
-    inputs = {
-        "mode": "every_n",
-        "threshold": 0.15,
-        "every_n": 3,
-        "max_reuse": 2,
-        "storage": "int8",
-        "reuse_start": 0.0,
-        "reuse_end": 1.0,
-        **inputs,
-    }
+    import dataclasses
+
+    from ..memory.feature_cache import CacheConfig
+
+    inputs = {**dataclasses.asdict(CacheConfig()), **inputs}  # every input, node defaults
 
     def extra(p: dict, ids: dict) -> None:
         loaders = [k for k in ids if k.startswith("cn_")]

@@ -169,7 +169,10 @@ class CachedControlNet(FusedControlNet):
         if not self.cna_cache_cfg.enabled:
             return ()
         dtype = self.manual_cast_dtype or self.control_model.dtype
-        x_in = self.model_sampling_current.calculate_input(t, x_noisy).to(dtype)
+        if self.cna_cache_cfg.mode == "adaptive":  # the only rule that reads the values
+            x_in = self.model_sampling_current.calculate_input(t, x_noisy).to(dtype)
+        else:  # shape and dtype are all the key needs: no device work per step
+            x_in = x_noisy.to(dtype)
         reuse, slot = self._step_decision(x_in, t, topts)
         self.cna_cache_forced = (reuse, slot)
         store = self._stores.get(slot)

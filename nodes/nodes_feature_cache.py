@@ -10,6 +10,7 @@ from ..memory.feature_cache import MODES, STORAGES, CacheConfig
 from .feature_cache import apply_cache
 
 CATEGORY = "ControlNet Accelerator/loaders"
+_D = CacheConfig()  # the defaults live in one place
 
 
 class ControlNetFeatureCache(io.ComfyNode):
@@ -30,14 +31,14 @@ class ControlNetFeatureCache(io.ComfyNode):
                 io.Combo.Input(
                     "mode",
                     options=list(MODES),
-                    default="every_n",
+                    default=_D.mode,
                     tooltip="adaptive: reuse while the estimated change stays under "
                     "'threshold'; every_n: run the ControlNet every n-th step; off: no cache "
                     "(the stock result exactly).",
                 ),
                 io.Float.Input(
                     "threshold",
-                    default=0.15,
+                    default=_D.threshold,
                     min=0.0,
                     max=2.0,
                     step=0.01,
@@ -47,7 +48,7 @@ class ControlNetFeatureCache(io.ComfyNode):
                 ),
                 io.Int.Input(
                     "every_n",
-                    default=3,
+                    default=_D.every_n,
                     min=1,
                     max=10,
                     tooltip="every_n: run the ControlNet on every n-th step, reuse between. 1 "
@@ -55,7 +56,7 @@ class ControlNetFeatureCache(io.ComfyNode):
                 ),
                 io.Int.Input(
                     "max_reuse",
-                    default=2,
+                    default=_D.max_reuse,
                     min=0,
                     max=10,
                     tooltip="At most this many reused steps in a row. 0 turns the cache off.",
@@ -63,13 +64,13 @@ class ControlNetFeatureCache(io.ComfyNode):
                 io.Combo.Input(
                     "storage",
                     options=list(STORAGES),
-                    default="int8",
+                    default=_D.storage,
                     tooltip="int8: per-channel quantized (half the memory of fp16, tiny "
                     "rounding); fp16: exact copies.",
                 ),
                 io.Float.Input(
                     "reuse_start",
-                    default=0.0,
+                    default=_D.reuse_start,
                     min=0.0,
                     max=1.0,
                     step=0.01,
@@ -78,7 +79,7 @@ class ControlNetFeatureCache(io.ComfyNode):
                 ),
                 io.Float.Input(
                     "reuse_end",
-                    default=1.0,
+                    default=_D.reuse_end,
                     min=0.0,
                     max=1.0,
                     step=0.01,
@@ -106,13 +107,13 @@ class ControlNetFeatureCache(io.ComfyNode):
     def execute(
         cls,
         control_net,
-        mode="every_n",
-        threshold=0.15,
-        every_n=3,
-        max_reuse=2,
-        storage="int8",
-        reuse_start=0.0,
-        reuse_end=1.0,
+        mode=_D.mode,
+        threshold=_D.threshold,
+        every_n=_D.every_n,
+        max_reuse=_D.max_reuse,
+        storage=_D.storage,
+        reuse_start=_D.reuse_start,
+        reuse_end=_D.reuse_end,
     ) -> io.NodeOutput:
         cfg = CacheConfig(
             mode=mode,

@@ -12,23 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 from comfyui_controlnet_accelerator import kernels
+from comfyui_controlnet_accelerator.harness.kernel_bench import SD15_SLOTS
 from comfyui_controlnet_accelerator.kernels import _jit, registry
 
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (B, C, H, W) residual slots: SD1.5 at 512² (CFG batch 2) and odd sizes that defeat vectors.
-SD15_SLOTS = [(2, 320, 64, 64)] * 3 + [
-    (2, 320, 32, 32),
-    (2, 640, 32, 32),
-    (2, 640, 32, 32),
-    (2, 640, 16, 16),
-    (2, 1280, 16, 16),
-    (2, 1280, 16, 16),
-    (2, 1280, 8, 8),
-    (2, 1280, 8, 8),
-    (2, 1280, 8, 8),
-    (2, 1280, 8, 8),
-]
+# (B, C, H, W) residual slots: SD1.5 at 512² (SD15_SLOTS) and odd sizes that defeat vectors.
 ODD_SLOTS = [(1, 3, 5, 7), (2, 5, 3, 3), (1, 1, 1, 1), (3, 7, 11, 13)]
 
 

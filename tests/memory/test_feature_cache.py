@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from comfyui_controlnet_accelerator.harness.kernel_bench import SD15_SLOTS, SDXL_SLOTS
 from comfyui_controlnet_accelerator.memory.feature_cache import (
     CacheConfig,
     ResidualStore,
@@ -12,11 +13,6 @@ from comfyui_controlnet_accelerator.memory.feature_cache import (
     input_change,
     step_of,
 )
-
-SD15 = [(2, 320, 64, 64)] * 3 + [(2, 320, 32, 32), (2, 640, 32, 32), (2, 640, 32, 32)]
-SD15 += [(2, 640, 16, 16), (2, 1280, 16, 16), (2, 1280, 16, 16)] + [(2, 1280, 8, 8)] * 3
-SDXL = [(2, 320, 128, 128)] * 3 + [(2, 320, 64, 64), (2, 640, 64, 64), (2, 640, 64, 64)]
-SDXL += [(2, 640, 32, 32), (2, 1280, 32, 32), (2, 1280, 32, 32)]
 
 
 def _out(shapes, seed=0, dtype=torch.float32, scale_range=(0.1, 10.0)):
@@ -83,7 +79,7 @@ def test_get_returns_fresh_tensors_the_caller_may_scale_in_place():
     assert again["middle"][0].abs().sum() > 0
 
 
-@pytest.mark.parametrize("arch,shapes", [("sd15", SD15), ("sdxl", SDXL)])
+@pytest.mark.parametrize("arch,shapes", [("sd15", SD15_SLOTS), ("sdxl", SDXL_SLOTS)])
 def test_int8_store_is_at_most_52_percent_of_fp16(arch, shapes):
     meta = [torch.empty(s, dtype=torch.float16, device="meta") for s in shapes]
     int8 = sum(t.numel() + 4 * t.shape[0] * t.shape[1] for t in meta)
