@@ -122,6 +122,12 @@ VARIANTS["cache_every2_fp16+graph"] = _chain(
     _fused_apply,
     VARIANTS["cuda_graph"],
 )
+# Everything at once: positive-only fused apply, Feature Cache every 3, graphs with channels_last.
+VARIANTS["stack_all"] = _chain(
+    _feature_cache(mode="every_n", every_n=3, max_reuse=2),
+    _positive_only,
+    VARIANTS["cuda_graph_cl"],
+)
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

@@ -28,6 +28,7 @@ one reduction on the device and one host read per step (none in ``every_n`` mode
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,40 @@ class ResidualStore:
             kernels.dequant_add_(h, b, scale, self._one)
             lst.append(h)
         return out
+
+
+class StorePool:
+    """Stores handed from one ControlNet copy to the next, so their buffers (and the CUDA graphs
+    captured against them) outlive the copy. *Apply ControlNet* makes a new copy whenever its
+    inputs change (prompt, hint, strength) or ComfyUI re-runs the node; without the pool every
+    such copy would start with new buffers and recapture its graphs. ``take`` gives a store to
+    one user at a time; ``give`` returns it (filled or cleared) for the next."""
+
+    def __init__(self, storage: str):
+        self.storage = storage
+        self._free: list[ResidualStore] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> ResidualStore:
+        with self._lock:
+            if self._free:
+                return self._free.pop(0)
+        return ResidualStore(self.storage)
+
+    def give(self, store: ResidualStore) -> None:
+        with self._lock:
+            if all(s is not store for s in self._free):
+                self._free.append(store)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(s.nbytes() for s in self._free)
+
+    def clear(self) -> None:
+        with self._lock:
+            for s in self._free:
+                s.clear()
+            self._free = []
 
 
 # -- the decision ---------------------------------------------------------------------------------

@@ -9,11 +9,13 @@ and stores the result. It caches the network's raw output, before strength is ap
 stock or fused Apply node scales and merges it exactly as usual: a strength change never sees
 stale features. ``copy()`` keeps the class, so stock *Apply ControlNet* works with it too.
 
-Invalidation: each Apply makes a new copy (new hint or strength → new, empty cache); ``pre_run``
-(every sampling run: new model, seed, sampler) forgets what is stored; the store key holds the
-input's shape and dtype and the hint's identity (resolution, batch, hint change → compute);
-``cleanup`` (end of sampling) frees the buffers, except those a CUDA graph has captured, which
-live as long as the object (a new run would otherwise recapture its graphs).
+Invalidation: each Apply makes a new copy, and ``pre_run`` (every sampling run: new model,
+seed, sampler) forgets what is stored; the store key holds the input's shape and dtype and the
+hint's identity (resolution, batch, hint change → compute). ``cleanup`` (end of sampling) frees
+the buffers, except those a CUDA graph has captured. Buffers live in a ``StorePool`` per network
+(and storage), from which each copy takes its stores for a run and to which it gives them back
+at cleanup: a new copy (a changed prompt, hint or strength, or ComfyUI re-running the nodes)
+then finds the buffers its graphs were captured with, and does not recapture.
 
 Under the CUDA Graph node the decision is made on the host before the replay
 (``cna_cache_plan``), and each decision (compute / reuse) is its own graph signature, together
@@ -23,11 +25,19 @@ with the store's buffer generation.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import torch
 
 from ..logger import logger
-from ..memory.feature_cache import CacheConfig, Decision, ResidualStore, ReusePolicy, step_of
+from ..memory.feature_cache import (
+    CacheConfig,
+    Decision,
+    ResidualStore,
+    ReusePolicy,
+    StorePool,
+    step_of,
+)
 from .fused_apply import FusedControlNet
 
 STATS = {"computed": 0, "reused": 0}
@@ -37,6 +47,18 @@ _lock = threading.Lock()
 def _count(key: str) -> None:
     with _lock:
         STATS[key] += 1
+
+
+# network (control_model) -> {storage: StorePool}; dropped with the network
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _pool_for(control_model, storage: str) -> StorePool:
+    with _lock:
+        pools = _POOLS.setdefault(control_model, {})
+        if storage not in pools:
+            pools[storage] = StorePool(storage)
+        return pools[storage]
 
 
 class _CachingModel:
@@ -64,7 +86,7 @@ class _CachingModel:
         out = real(x=x, hint=hint, timesteps=timesteps, context=context, **extra)
         if owner.cna_cache_cfg.enabled:
             if store is None:
-                store = owner._stores[slot] = ResidualStore(owner.cna_cache_cfg.storage)
+                store = owner._stores[slot] = owner._pool(real).take()
             store.put(out)
             if not owner.cna_graph_mode:  # inside a graph the hint is the glue's buffer: the
                 owner._keys[slot] = key  # host recorded the real key in cna_cache_plan
@@ -104,11 +126,19 @@ class CachedControlNet(FusedControlNet):
         self._reset_cache_state()
         self._stores = stores  # buffers kept (a graph may hold them); contents forgotten
 
+    def _pool(self, network=None) -> StorePool:
+        """The pool of the network (the real one: inside ``get_control`` ``control_model`` is
+        the caching proxy)."""
+        net = network if network is not None else self.control_model
+        return _pool_for(net, self.cna_cache_cfg.storage)
+
     def cleanup(self):
-        if not self.cna_graph_pinned:
-            for s in self._stores.values():
-                s.clear()
-            self._stores = {}
+        pool = self._pool() if self._stores else None
+        for s in self._stores.values():
+            if not self.cna_graph_pinned:
+                s.clear()  # eager use: memory back to ComfyUI when sampling ends
+            pool.give(s)  # a graph's buffers stay, for the next copy's run
+        self._stores = {}
         self._policy.reset()
         self._keys = {}
         self._memo = None

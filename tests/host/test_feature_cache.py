@@ -156,6 +156,21 @@ def test_works_under_the_cuda_graph_node(host, tiny_models):
     again = _run(r, WL, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
     assert torch.equal(again.latent, graph.latent) or not host.cpu
     assert graph_mod.TOTALS["captures"] - before["captures"] == 0
+    # A stock prompt in between drops ComfyUI's cached node outputs, so the next run makes a
+    # new Feature Cache object and new Apply copies (here with a new strength, too). They take
+    # the buffers the graphs were captured with from the network's pool: still no capture, and
+    # the result is the one a fresh process gives.
+    _run(r, WL, 10)
+    before = dict(graph_mod.TOTALS)
+    wl_b = WL.with_(strength=0.6)
+    b = _run(r, wl_b, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
+    assert graph_mod.TOTALS["captures"] - before["captures"] == 0
+    assert graph_mod.TOTALS["replays"] - before["replays"] >= 3
+    fresh = _run(runner.Runner(), wl_b, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
+    if host.cpu:
+        assert torch.equal(b.latent, fresh.latent)
+    else:
+        assert runner.psnr(fresh.latent, b.latent) >= 45.0
 
 
 def _spearman(a: list[float], b: list[float]) -> float:

@@ -10,6 +10,7 @@ from comfyui_controlnet_accelerator.memory.feature_cache import (
     CacheConfig,
     ResidualStore,
     ReusePolicy,
+    StorePool,
     input_change,
     step_of,
 )
@@ -173,3 +174,20 @@ def test_config_rejects_bad_values():
         CacheConfig(storage="int4")
     with pytest.raises(ValueError):
         CacheConfig(reuse_start=0.9, reuse_end=0.1)
+
+
+def test_store_pool_hands_each_store_to_one_user_at_a_time():
+    pool = StorePool("int8")
+    a, b = pool.take(), pool.take()
+    assert a is not b  # two users in one run never share buffers
+    a.put({"output": [torch.randn(1, 4, 2, 2)]})
+    gen = a.generation
+    pool.give(a)
+    pool.give(a)  # giving twice does not hand it out twice
+    again = pool.take()
+    assert again is a and again.generation == gen and again.filled  # same buffers back
+    assert pool.take() is not a
+    pool.give(a)
+    assert pool.nbytes() == a.nbytes() > 0
+    pool.clear()
+    assert pool.nbytes() == 0 and not a.filled
