@@ -33,7 +33,8 @@ def _insert_model_node(class_type: str, **inputs) -> Callable[[dict, dict], None
 
     def extra(p: dict, ids: dict) -> None:
         nid = str(max(int(k) for k in p) + 1)
-        p[nid] = {"class_type": class_type, "inputs": {"model": [ids["ckpt"], 0], **inputs}}
+        model_in = p[ids["sampler"]]["inputs"]["model"]  # after any earlier MODEL node
+        p[nid] = {"class_type": class_type, "inputs": {"model": model_in, **inputs}}
         p[ids["sampler"]]["inputs"]["model"] = [nid, 0]
         ids[class_type] = nid
 
@@ -121,6 +122,46 @@ VARIANTS["cache_every2_fp16+graph"] = _chain(
     _feature_cache(mode="every_n", every_n=2, max_reuse=1, storage="fp16"),
     _fused_apply,
     VARIANTS["cuda_graph"],
+)
+
+
+def _memory_pool(**inputs) -> Callable[[dict, dict], None]:
+    """One ControlNet Memory Pool per ControlNet loader, chained on the MODEL (with no
+    ControlNet, one for the model alone); the sampler gets the last one's model."""
+
+    import dataclasses
+
+    from ..nodes.memory_pool import PoolOptions  # plain module: no ComfyUI import at load
+
+    def extra(p: dict, ids: dict) -> None:
+        loaders = sorted(k for k in ids if k.startswith("cn_")) or [None]
+        model_src = p[ids["sampler"]]["inputs"]["model"]
+        for key in loaders:
+            nid = str(max(int(k) for k in p) + 1)
+            node = {"class_type": "CNA_ControlNetMemoryPool", "inputs": {"model": model_src}}
+            node["inputs"].update({**dataclasses.asdict(PoolOptions()), **inputs})
+            if key is not None:
+                node["inputs"]["control_net"] = [ids[key], 0]
+                for other in p.values():
+                    if other["inputs"].get("control_net") == [ids[key], 0]:
+                        other["inputs"]["control_net"] = [nid, 1]
+            p[nid] = node
+            model_src = [nid, 0]
+            ids[f"pool_{key}"] = nid
+        p[ids["sampler"]]["inputs"]["model"] = model_src
+
+    return extra
+
+
+# Memory Pool levers: INT8 weights of the UNet and the ControlNets, idle models unloaded.
+VARIANTS["pool_int8"] = _memory_pool()
+VARIANTS["pool_int8_offload"] = _memory_pool(offload_idle_models=True)
+VARIANTS["pool_cn_int8"] = _memory_pool(unet_weights="as loaded")
+VARIANTS["pool_offload"] = _memory_pool(
+    unet_weights="as loaded", controlnet_weights="as loaded", offload_idle_models=True
+)
+VARIANTS["pool_int8_offload+graph"] = _chain(
+    VARIANTS["pool_int8_offload"], _fused_apply, VARIANTS["cuda_graph"]
 )
 # Everything at once: positive-only fused apply, Feature Cache every 3, graphs with channels_last.
 VARIANTS["stack_all"] = _chain(

@@ -16,8 +16,9 @@ def node_classes() -> list[type[io.ComfyNode]]:
     from .nodes_cuda_graph import NODES as GRAPH_NODES
     from .nodes_feature_cache import NODES as CACHE_NODES
     from .nodes_fused_apply import NODES as FUSED_NODES
+    from .nodes_memory_pool import NODES as POOL_NODES
 
-    return [*FUSED_NODES, *CACHE_NODES, *GRAPH_NODES]
+    return [*FUSED_NODES, *CACHE_NODES, *POOL_NODES, *GRAPH_NODES]
 
 
 class ControlNetAcceleratorExtension(ComfyExtension):

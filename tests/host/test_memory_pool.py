@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""ControlNet Memory Pool on the real host: INT8 weights through ModelPatcher object patches,
+the checkpoint left untouched for everybody else, LoRA-patched layers kept, idle models
+unloaded. CPU here (fp32 tiny models); the GPU run is the same file with CNA_TEST_GPU=1."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import workflows as wf
+from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _memory_pool
+
+pytestmark = pytest.mark.host
+
+T1 = wf.WORKLOADS["T1"]
+T2 = wf.WORKLOADS["T2"]
+# INT8 weights change the result a little; on these tiny random models the latent stays
+# above 50 dB (measured 54–56); 35 dB is the issue's fidelity floor for the real shapes.
+MIN_PSNR = 35.0
+
+
+@pytest.fixture(autouse=True)
+def graph_backend(host, monkeypatch):
+    if host.cpu:
+        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
+
+
+def _mp(host):
+    return sys.modules[host.pack_module_name].nodes.memory_pool
+
+
+def _run(r, wl, variant, seed=5):
+    import folder_paths
+
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
+    extra = VARIANTS[variant] if isinstance(variant, str) else variant
+    p, ids = wf.build_prompt(wl, seed, hints, extra)
+    return r.run(p, ids)
+
+
+def _loaded(tiny_models):
+    import comfy.controlnet
+    import comfy.sd
+
+    model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
+    )
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    return model, cn
+
+
+def test_weights_as_loaded_give_the_stock_result_exactly(host, tiny_models):
+    r = runner.Runner()
+    stock = _run(r, T1, None)
+    # the node with both weight options 'as loaded' only adds its VRAM report
+    VARIANTS["_pool_as_loaded"] = _memory_pool(
+        unet_weights="as loaded", controlnet_weights="as loaded"
+    )
+    try:
+        same = _run(r, T1, "_pool_as_loaded")
+    finally:
+        del VARIANTS["_pool_as_loaded"]
+    assert torch.equal(same.latent, stock.latent)
+
+
+@pytest.mark.parametrize("wl", [T1, T2], ids=["1 net", "2 nets"])
+def test_int8_weights_stay_close_and_leave_the_checkpoint_alone(host, tiny_models, wl):
+    r = runner.Runner()
+    stock = _run(r, wl, None)
+    pooled = _run(r, wl, "pool_int8")
+    assert torch.isfinite(pooled.latent).all()
+    assert not torch.equal(pooled.latent, stock.latent)  # the weights really were int8
+    assert runner.psnr(stock.latent, pooled.latent) >= MIN_PSNR
+    # the same loaded checkpoint, sampled stock again: the fp16 (here fp32) originals are back
+    again = _run(r, wl, None)
+    assert torch.equal(again.latent, stock.latent)
+    # and the pooled result does not depend on what ran before (a fresh process agrees)
+    fresh = _run(runner.Runner(), wl, "pool_int8")
+    assert torch.equal(fresh.latent, pooled.latent)
+
+
+def test_a_second_pool_node_over_a_loaded_pooled_model_still_compresses(host, tiny_models):
+    """Found while building: with a pooled clone loaded, the live model tree holds the int8
+    modules; a new node must compress the originals, not find nothing to do."""
+    r = runner.Runner()
+    a = _run(r, T1, "pool_int8")
+    b = _run(r, T1, "pool_int8_offload")  # another node, same weights options
+    assert torch.equal(a.latent, b.latent)
+
+
+def test_the_clone_reports_its_smaller_size_and_the_original_is_untouched(host, tiny_models):
+    mp = _mp(host)
+    model, cn = _loaded(tiny_models)
+    size0, cn_size0 = model.model_size(), cn.control_model_wrapped.model_size()
+    before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
+    m, c = mp.apply_memory_pool(model, cn, mp.PoolOptions())
+    # fp32 tiny models: int8 is a quarter of the large layers' bytes
+    assert m.model_size() < 0.5 * size0
+    assert c.control_model_wrapped.model_size() < 0.5 * cn_size0
+    assert model.model_size() == size0 and cn.control_model_wrapped.model_size() == cn_size0
+    assert c is not cn and c.control_model is cn.control_model
+    assert len(m.object_patches) > 50 and not model.object_patches
+    after = model.model.diffusion_model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    # a second node on the pooled model adds nothing and keeps the size right
+    m2, _ = mp.apply_memory_pool(m, None, mp.PoolOptions())
+    assert m2.model_size() == m.model_size()
+    assert m2.object_patches.keys() == m.object_patches.keys()
+
+
+def test_layers_a_lora_patches_stay_fp16(host, tiny_models):
+    mp = _mp(host)
+    model, _ = _loaded(tiny_models)
+    name = next(
+        k[: -len(".weight")]
+        for k, v in model.model.state_dict().items()
+        if k.startswith("diffusion_model.")
+        and k.endswith(".weight")
+        and v.dim() == 4
+        and v.numel() >= 4096
+    )
+    w = model.model.state_dict()[f"{name}.weight"]
+    # a LoRA before the node: the layer is not compressed at all
+    lora = model.clone()
+    lora.add_patches({f"{name}.weight": (torch.full_like(w, 0.01),)}, 1.0)
+    m, _ = mp.apply_memory_pool(lora, None, mp.PoolOptions())
+    assert name not in m.object_patches and len(m.object_patches) > 50
+    # a LoRA after the node: dropped from the sampled clone at sampling time, size corrected
+    m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
+    after = m.clone()
+    after.add_patches({f"{name}.weight": (torch.full_like(w, 0.01),)}, 1.0)
+    size = after.model_size()
+    assert mp._drop_patched_layers(after) == 1
+    assert name not in after.object_patches and name in m.object_patches
+    assert after.model_size() > size
+
+
+def test_idle_models_are_unloaded_before_sampling(host, tiny_models):
+    import comfy.model_management as mm
+
+    r = runner.Runner()
+    stock = _run(r, T1, None)
+    names = lambda: {type(lm.model.model).__name__ for lm in mm.current_loaded_models}  # noqa: E731
+    assert any("Clip" in n for n in names())  # ComfyUI keeps the text encoder loaded
+    got = _run(r, T1, "pool_offload")  # weights as loaded, idle models out
+    assert torch.equal(got.latent, stock.latent)
+    assert not any("Clip" in n for n in names())
+    # the next prompt that needs the text encoder loads it again
+    new_text = lambda p, ids: p[ids["pos"]]["inputs"].update(text="another prompt")  # noqa: E731
+    new_prompt = _run(r, T1, new_text)
+    assert torch.isfinite(new_prompt.latent).all()
+
+
+def test_works_with_the_fused_apply_and_cuda_graph(host, tiny_models):
+    r = runner.Runner()
+    eager = _run(r, T2, "pool_int8_offload")
+    graph = _run(r, T2, "pool_int8_offload+graph")
+    if host.cpu:
+        assert torch.equal(graph.latent, eager.latent)
+    else:
+        assert runner.psnr(eager.latent, graph.latent) >= 45.0
+
+
+def test_unsupported_controlnets_pass_through(host, tiny_models):
+    mp = _mp(host)
+    model, cn = _loaded(tiny_models)
+
+    class NotAControlNet:
+        pass
+
+    odd = NotAControlNet()
+    _, out = mp.apply_memory_pool(model, odd, mp.PoolOptions())
+    assert out is odd
+    assert "not a standard ControlNet" in mp.why_not_compressible(odd)
+    assert mp.why_not_compressible(cn) is None

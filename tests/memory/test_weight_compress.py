@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""INT8 weight compression (memory/weight_compress.py), plain torch, against fp64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.memory import weight_compress as wc
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_rounding_error_is_at_most_half_a_step_per_channel():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 32, 3, 3, generator=g) * torch.logspace(-3, 1, 64).view(-1, 1, 1, 1)
+    q, scale = wc.quantize_per_channel(w)
+    assert q.dtype == torch.int8 and scale.shape == (64, 1, 1, 1)
+    assert int(q.abs().max()) == 127  # the full range is used
+    err = (q.double() * scale.double() - w.double()).abs()
+    assert (err <= scale.double() / 2 * (1 + 1e-6)).all()
+    # a channel of zeros stays zeros (no division by zero)
+    w[3] = 0
+    q, scale = wc.quantize_per_channel(w)
+    assert torch.isfinite(scale).all() and (q[3] == 0).all()
+
+
+# fp16 runs on the GPU only (ComfyUI computes in fp32 or bf16 on the CPU)
+CASES = [
+    (d, t)
+    for d in DEVICES
+    for t in (torch.float32, torch.float16, torch.bfloat16)
+    if not (d == "cpu" and t == torch.float16)
+]
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_int8_layers_compute_with_the_dequantized_weight(device, dtype):
+    g = torch.Generator().manual_seed(1)
+    conv = torch.nn.Conv2d(32, 48, 3, padding=1, stride=2).to(device, dtype)
+    lin = torch.nn.Linear(96, 80).to(device, dtype)
+    x = torch.randn(2, 32, 16, 16, generator=g).to(device, dtype)
+    y = torch.randn(2, 7, 96, generator=g).to(device, dtype)
+    for layer, inp, fn in ((conv, x, torch.nn.functional.conv2d), (lin, y, None)):
+        c = wc.compress(layer)
+        out = c(inp)
+        assert out.dtype == dtype and out.device.type == device
+        q, s = wc.quantize_per_channel(layer.weight)
+        wd = (q.double() * s.double()).to(device)
+        if fn is None:
+            ref = torch.nn.functional.linear(inp.double(), wd, layer.bias.double())
+        else:
+            ref = fn(inp.double(), wd, layer.bias.double(), 2, 1)
+        # the only difference to the reference is the dtype's own rounding
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        assert ((out.double() - ref).norm() / ref.norm()).item() < tol
+        # and against the uncompressed layer: int8 rounding, well under 1% here
+        exact = layer(inp).double()
+        assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+def test_sizes_and_what_is_left_alone():
+    conv = torch.nn.Conv2d(64, 64, 3).half()
+    c = wc.compress(conv)
+    assert c.original_bytes() == 64 * 64 * 9 * 2 + 64 * 2
+    assert c.compressed_bytes() == 64 * 64 * 9 + 64 * 4 + 64 * 2
+    assert wc.why_not(torch.nn.Conv2d(4, 4, 1)) == "small"
+    assert wc.why_not(torch.nn.GroupNorm(4, 64)) == "not a Linear or Conv2d"
+    assert wc.why_not(c) == "already compressed"
+    circ = torch.nn.Conv2d(64, 64, 3, padding=1, padding_mode="circular")
+    assert "padding_mode" in wc.why_not(circ)
+    patched = torch.nn.Linear(128, 128)
+    patched.weight_function = [lambda w: w]
+    assert "patched" in wc.why_not(patched)
+    with pytest.raises(ValueError, match="small"):
+        wc.compress(torch.nn.Linear(8, 8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_weights_left_on_the_cpu_are_brought_to_the_input():
+    lin = torch.nn.Linear(256, 128)
+    c = wc.compress(lin)  # stays on the CPU, as ComfyUI's low-VRAM mode leaves some layers
+    x = torch.randn(4, 256, device="cuda")
+    out = c(x)
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.cpu(), c(x.cpu()), rtol=1e-5, atol=1e-5)
