@@ -104,6 +104,13 @@ VARIANTS["fused_positive_only+graph"] = _chain(_positive_only, VARIANTS["cuda_gr
 VARIANTS["cuda_graph_cl"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, channels_last=True
 )
+# ControlNets on a second stream inside the graph, beside the UNet's input blocks.
+VARIANTS["fused+graph_cc"] = _chain(
+    _fused_apply,
+    _insert_model_node(
+        "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, concurrent_controlnet=True
+    ),
+)
 # The Feature Cache, alone and on top of graphs + fused apply.
 for _n in (2, 3, 4):
     VARIANTS[f"cache_every{_n}+graph"] = _chain(

@@ -48,6 +48,9 @@ class GraphOptions:
     verify: bool = False
     verify_tol: float = 1e-2
     channels_last: bool = False  # experimental: see channels_last.py
+    # ControlNets on a second CUDA stream, overlapping the UNet's input blocks (their residuals
+    # are first read at the middle block); see _JoinOnUse.
+    concurrent_controlnet: bool = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,6 +107,39 @@ class ControlCall:
         return (self.resolve() or {}).items()
 
 
+class _JoinOnUse(dict):
+    """The residual dict of ControlNets that ran on a side stream. The UNet's stream waits for
+    the side stream just before it first reads a residual (an empty list, like the ``input``
+    entry of an SD ControlNet, needs no wait), so the input blocks overlap the ControlNets."""
+
+    def __init__(self, d: dict, event):
+        super().__init__(d)
+        self._event = event
+        self._joined = False
+
+    def _join(self) -> None:
+        if not self._joined:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._joined = True
+
+    def __getitem__(self, k):
+        v = super().__getitem__(k)
+        if v:  # something the UNet will read
+            self._join()
+        return v
+
+    def get(self, k, default=None):
+        return self[k] if k in self else default
+
+    def values(self):
+        self._join()
+        return super().values()
+
+    def items(self):
+        self._join()
+        return super().items()
+
+
 def _chain(control) -> list:
     """The control objects of a chain, innermost (evaluated first) to outermost."""
     out = []
@@ -126,6 +162,15 @@ class _ModelState:
         self.eager_reasons: set[str] = set()
         self.lock = threading.Lock()
         self.stats = {"replays": 0, "eager": 0, "captures": 0}
+
+    def side_stream(self, x: torch.Tensor):
+        """The stream the ControlNets run on beside the UNet (CUDA only; None elsewhere)."""
+        if not x.is_cuda:
+            return None
+        s = self.__dict__.get("_side")
+        if s is None or s.device != x.device:
+            s = self._side = torch.cuda.Stream(device=x.device)
+        return s
 
     def count(self, what: str) -> None:
         self.stats[what] = self.stats.get(what, 0) + 1
@@ -435,7 +480,13 @@ class CudaGraphPatch:
                     sig.append((f"cond.{k}", _tensor_sig(v)))
             sig.append(("batched_number", batched_number))
         # the weights' memory layout is baked into the captured kernels
-        key = (id(base_model), tuple(sig), tuple(chain_sig), self._layout is not None)
+        key = (
+            id(base_model),
+            tuple(sig),
+            tuple(chain_sig),
+            self._layout is not None,
+            self.options.concurrent_controlnet,
+        )
         return _Plan(key, tensors, chain, active, deps)
 
     def _run_graph(self, st, plan, executor, x, t, c_concat, c_crossattn, call, topts, kwargs):
@@ -453,23 +504,34 @@ class CudaGraphPatch:
         def fn(*static):
             by_name = dict(zip(names, static, strict=True))
             kw = {k: by_name.get(k, v) for k, v in kwargs.items()}
-            ctrl = None
+            ctrl = side = None
             if call is not None:
                 _, _, cond, batched_number, call_topts = call.args
                 cond_s = {k: by_name.get(f"cond.{k}", by_name.get(k, v)) for k, v in cond.items()}
-                with _chain_overrides(plan.chain, plan.active, cur_extras):
+                side = st.side_stream(by_name["x"]) if self.options.concurrent_controlnet else None
+                if side is not None:  # fork: the ControlNets wait for the step's inputs only
+                    side.wait_stream(torch.cuda.current_stream())
+                with _chain_overrides(plan.chain, plan.active, cur_extras), _on_stream(side):
                     ctrl = call.control.get_control(
                         by_name["x"], by_name["t"], cond_s, batched_number, call_topts
                     )
-            return executor(
-                by_name["x"],
-                by_name["t"],
-                by_name.get("c_concat", c_concat),
-                by_name.get("c_crossattn", c_crossattn),
-                ctrl,
-                topts,
-                **kw,
-            )
+                if side is not None and isinstance(ctrl, dict):
+                    ev = torch.cuda.Event()
+                    ev.record(side)
+                    ctrl = _JoinOnUse(ctrl, ev)
+            try:
+                return executor(
+                    by_name["x"],
+                    by_name["t"],
+                    by_name.get("c_concat", c_concat),
+                    by_name.get("c_crossattn", c_crossattn),
+                    ctrl,
+                    topts,
+                    **kw,
+                )
+            finally:
+                if side is not None:  # join, whatever the UNet read
+                    torch.cuda.current_stream().wait_stream(side)
 
         if plan.key in cache.failed:
             st.note_eager(f"capture failed earlier: {cache.failed[plan.key]}")
@@ -531,6 +593,23 @@ class _Plan:
     chain: list
     active: list
     deps: dict
+
+
+class _on_stream:
+    """``torch.cuda.stream(s)``, or nothing when ``s`` is None."""
+
+    def __init__(self, s):
+        self.s = s
+        self.ctx = None
+
+    def __enter__(self):
+        if self.s is not None:
+            self.ctx = torch.cuda.stream(self.s)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
 
 
 def _eager_from(call, executor, x, t, c_concat, c_crossattn, topts, kwargs):

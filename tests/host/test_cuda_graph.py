@@ -353,3 +353,34 @@ def test_batch_two_img2img_and_ksampler_advanced(host, tiny_models):
         graph, _, _ = _run(r, wl, 17, with_graph)
         _same(host, stock, graph)
         assert _delta(before, _totals(host))["replays"] >= 2
+
+
+@pytest.mark.parametrize("case", ["1cn", "2cn-range"])
+def test_controlnets_on_a_second_stream_match_stock(host, tiny_models, case):
+    """concurrent_controlnet: the ControlNets run beside the UNet's input blocks inside the
+    graph (on the GPU; on the CPU the option changes nothing). Same result as stock."""
+    wl = CASES[case].with_(steps=20)
+    r = runner.Runner()
+    stock, _, _ = _run(r, wl, 22)
+    before = _totals(host)
+    conc, _, _ = _run(r, wl, 22, VARIANTS["fused+graph_cc"])
+    d = _delta(before, _totals(host))
+    _same(host, stock, conc)
+    assert d["captures"] >= 1 and d["replays"] >= 15 and d["failed"] == 0, d
+    again, _, _ = _run(r, wl, 22, VARIANTS["fused+graph_cc"])  # replays, same result
+    assert torch.equal(again.latent, conc.latent)
+
+
+def test_join_on_use_waits_only_for_residuals_it_hands_out(host):
+    cg = _cg(host)
+    waits = []
+
+    class Ev:
+        pass
+
+    d = cg._JoinOnUse({"input": [], "middle": ["m"], "output": ["o"]}, Ev())
+    d._join = lambda: waits.append(1)  # count instead of touching a stream
+    assert "input" in d and d["input"] == [] and not waits  # empty: nothing to wait for
+    assert "middle" in d and not waits  # membership alone never waits
+    assert d["middle"] == ["m"] and waits == [1]
+    assert d.get("missing") is None
