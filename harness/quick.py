@@ -301,6 +301,7 @@ def run_workload(
     prog: Progress,
     op_profile: bool = False,
     decode: bool = False,
+    cold_memory: bool = False,
 ) -> list[Row]:
     import folder_paths
     import torch
@@ -355,6 +356,20 @@ def run_workload(
             if stock_image is not None and img is not None:
                 per_run[v][-1].extra["image_psnr"] = runner.psnr(stock_image, img)
                 per_run[v][-1].extra["ssim"] = runner.ssim(stock_image, img)
+    cold: dict = {}
+    if cold_memory and r.cuda:
+        # Peak VRAM as a fresh ComfyUI sees it: nothing loaded, nothing cached (the text encoder
+        # loads to encode the prompt, as in a first run), no graphs or caches of other variants.
+        for v in variants:
+            _cold_reset()
+            w = wl.with_(decode=False)
+            p, ids = workflows.build_prompt(w, 5000, hints, VARIANTS[v])
+            cold[v] = runner.Runner().run(p, ids)
+            prog.step(
+                f"{wid} {v} cold: peak {cold[v].peak_allocated / MiB:.0f} MiB allocated, "
+                f"{cold[v].peak_reserved / MiB:.0f} MiB reserved"
+            )
+        _cold_reset()
     busy: dict[str, tuple] = {}
     op_prof: dict[str, dict] = {}
     if op_profile and r.cuda:
@@ -417,6 +432,9 @@ def run_workload(
             row.gpu_busy_ms_step, row.launches_step = busy[v]
         if v in op_prof:
             row.extra["op_profile"] = op_prof[v]
+        if v in cold:
+            row.extra["cold_peak_allocated_mib"] = cold[v].peak_allocated / MiB
+            row.extra["cold_peak_reserved_mib"] = cold[v].peak_reserved / MiB
         row.extra["latent_std"] = float(runs[-1].latent.std())
         row.extra["step_ms_last_round"] = [round(x, 3) for x in runs[-1].step_ms]
         if any("ssim" in x.extra for x in runs):  # decoded images vs stock, worst round
@@ -434,6 +452,25 @@ def run_workload(
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
     return rows
+
+
+def _cold_reset() -> None:
+    """Unload every model (their CUDA graphs go with them), drop the Feature Cache's kept
+    buffers, and return cached memory to the driver."""
+    import gc
+
+    import comfy.model_management as mm
+    import torch
+
+    mm.unload_all_models()
+    for name, mod in list(sys.modules.items()):
+        if name.endswith("nodes.feature_cache") and hasattr(mod, "_POOLS"):
+            for pools in list(mod._POOLS.values()):
+                for pool in pools.values():
+                    pool.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
 
 def _cache_totals() -> dict | None:
@@ -458,6 +495,32 @@ def _graph_totals() -> dict | None:
 
 def _f(x, fmt="{:.2f}"):
     return "—" if x is None else ("∞" if x == float("inf") else fmt.format(x))
+
+
+def cold_table(rows: list[Row], wl_info: dict) -> str:
+    """Peak VRAM of one run per variant from a cold start (``--cold-memory``), vs stock's."""
+    cold = [r for r in rows if "cold_peak_allocated_mib" in r.extra]
+    if not cold:
+        return ""
+    stock = {r.workload: r for r in cold if r.variant == "stock"}
+    lines = [
+        "",
+        "",
+        "Cold start (nothing loaded or cached before the run; no decode):",
+        "",
+        "| workload | variant | peak allocated MiB | vs stock | peak reserved MiB | vs stock |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in cold:
+        s = stock.get(r.workload)
+        a, rv = r.extra["cold_peak_allocated_mib"], r.extra["cold_peak_reserved_mib"]
+        pa = f"{100 * a / s.extra['cold_peak_allocated_mib']:.1f}%" if s else "–"
+        pr = f"{100 * rv / s.extra['cold_peak_reserved_mib']:.1f}%" if s else "–"
+        lines.append(
+            f"| {r.workload} ({wl_info[r.workload]}) | {r.variant} | {a:.0f} | {pa} | {rv:.0f} "
+            f"| {pr} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[Row], wl_info: dict) -> str:
@@ -505,6 +568,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-profile", action="store_true", help="skip the torch.profiler runs")
     ap.add_argument(
+        "--cold-memory",
+        action="store_true",
+        help="also measure each variant's peak VRAM in one run from a cold start (GPU only)",
+    )
+    ap.add_argument(
         "--decode",
         action="store_true",
         help="decode the images with the VAE and report PSNR and SSIM vs stock per variant",
@@ -546,7 +614,9 @@ def main(argv: list[str] | None = None) -> int:
         variants.insert(0, "stock")
     profile = not a.no_profile and not host.cpu
     op_profile = a.op_profile and not host.cpu
-    per_wl = 1 + len(variants) * (1 + a.rounds + (1 if profile else 0) + (1 if op_profile else 0))
+    cold_memory = a.cold_memory and not host.cpu
+    extra_runs = int(profile) + int(op_profile) + int(cold_memory)
+    per_wl = 1 + len(variants) * (1 + a.rounds + extra_runs)
     prog = Progress(per_wl * len(wids))
     env = environment()
     prog.note(
@@ -570,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
                 prog,
                 op_profile=op_profile,
                 decode=a.decode,
+                cold_memory=cold_memory,
             )
         )
         partial = {
@@ -581,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         (out / f"quick-{stamp}.json").write_text(json.dumps(partial, indent=1))
     prog.close()
-    text = table(rows, wl_info)
+    text = table(rows, wl_info) + cold_table(rows, wl_info)
     payload = {
         "environment": env,
         "workloads": wl_info,

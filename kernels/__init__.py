@@ -3,8 +3,8 @@
 plain-PyTorch implementation of every op as the CPU path and the fallback.
 
 Public ops (shapes in their docstrings): ``control_merge``, ``control_merge_add_``,
-``quantize_int8``, ``dequant_add_``, ``group_norm_silu``. ``list_backends()`` says which
-backend is usable and why not; ``use_backend("eager")`` forces the fallback.
+``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``group_norm_silu``. ``list_backends()``
+says which backend is usable and why not; ``use_backend("eager")`` forces the fallback.
 Environment: ``CNA_KERNELS=auto|cuda|eager`` (auto: the CUDA kernels once validated on a GPU,
 see ``registry.VALIDATED_ON_GPU``), ``CNA_FORCE_EAGER=1`` (never build), ``CNA_KERNELS_VERBOSE=1``
 (show the compiler), ``CNA_KERNELS_CACHE=DIR`` (build cache), ``CNA_CUDA_ARCH=9.0`` (target
@@ -17,6 +17,7 @@ from .ops import (
     control_merge,
     control_merge_add_,
     dequant_add_,
+    dequant_rows,
     group_norm_silu,
     quantize_int8,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "control_merge",
     "control_merge_add_",
     "dequant_add_",
+    "dequant_rows",
     "group_norm_silu",
     "list_backends",
     "mark_unavailable",

@@ -21,6 +21,10 @@ CONSTRAINTS: dict[str, dict[str, dict]] = {
         "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT, torch.int8)},
         "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
     },
+    "dequant_rows": {
+        "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT, torch.int8)},
+        "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
+    },
     "group_norm_silu": {
         "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT,)},
         "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},

@@ -13,9 +13,9 @@ import torch
 
 from . import _jit, eager, registry
 
-for _op in ("control_merge", "quantize_int8", "dequant_add", "group_norm_silu"):
+_OPS = ("control_merge", "quantize_int8", "dequant_add", "dequant_rows", "group_norm_silu")
+for _op in _OPS:
     registry.register("eager", _op)
-for _op in ("control_merge", "quantize_int8", "dequant_add", "group_norm_silu"):
     registry.register("cuda", _op)
 
 
@@ -75,6 +75,14 @@ def _register() -> None:
 
     @_dequant_add_op.register_fake
     def _(hidden, q, scale, strength):
+        return None
+
+    @torch.library.custom_op("cna::dequant_rows_", mutates_args=("out",))
+    def _dequant_rows_op(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        _jit.module().dequant_rows_(out, q, scale)
+
+    @_dequant_rows_op.register_fake
+    def _(out, q, scale):
         return None
 
     @torch.library.custom_op("cna::group_norm_silu", mutates_args=())
@@ -175,6 +183,19 @@ def dequant_add_(
         torch.ops.cna.dequant_add_(hidden, q.contiguous(), scale.float().contiguous(), s)
         return
     eager.dequant_add_(hidden, q, scale, strength)
+
+
+def dequant_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q (R, ...) int8, scale (R, 1, ...) or (R,) float32 -> q · scale[r] in ``dtype``: the
+    Memory Pool's INT8 weights expanded for one layer call."""
+    if q.dtype != torch.int8 or q.dim() < 1 or scale.numel() != q.shape[0]:
+        raise ValueError("dequant_rows: q must be int8 and scale hold one value per row")
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    backend = registry.select("dequant_rows", [out, q, scale])
+    if backend == "cuda" and q.is_contiguous() and scale.dtype == torch.float32:
+        torch.ops.cna.dequant_rows_(out, q, scale.contiguous())
+        return out
+    return eager.dequant_rows(q, scale, dtype, out)
 
 
 def group_norm_silu(

@@ -39,15 +39,17 @@ _forced = threading.local()
 # Passed on an NVIDIA H200 (sm_90, torch 2.11 + CUDA 13), 2026-11-30: all 116 kernel tests.
 # Set this back to False (CNA_KERNELS=cuda then opts in) whenever a kernel changes untested.
 VALIDATED_ON_GPU = True
+# Ops added since that run: CUDA only when asked for (CNA_KERNELS=cuda) until theirs pass too.
+NOT_YET_VALIDATED: set[str] = {"dequant_rows"}
 
 
-def _cuda_by_default() -> bool:
+def _cuda_by_default(op: str | None = None) -> bool:
     mode = os.environ.get("CNA_KERNELS", "auto")
     if mode == "eager":
         return False
     if mode == "cuda":
         return True
-    return VALIDATED_ON_GPU
+    return VALIDATED_ON_GPU and op not in NOT_YET_VALIDATED
 
 
 def register(backend: str, op: str) -> None:
@@ -103,7 +105,7 @@ def _why_not(backend: str, op: str, tensors: list[torch.Tensor]) -> str | None:
 def select(op: str, tensors: list[torch.Tensor]) -> str:
     """The backend to run ``op`` on these tensors: forced, else cuda if it can, else eager."""
     forced = getattr(_forced, "name", None)
-    order = [forced] if forced else (["cuda", "eager"] if _cuda_by_default() else ["eager"])
+    order = [forced] if forced else (["cuda", "eager"] if _cuda_by_default(op) else ["eager"])
     reasons = []
     for name in order:
         if name == "cuda" and _BACKENDS["cuda"].unavailable is None and op in _BACKENDS["cuda"].ops:

@@ -58,6 +58,16 @@ def dequant_add_(
     hidden.copy_((hidden.float() + deq).to(hidden.dtype))
 
 
+def dequant_rows(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q · scale[r] in ``dtype``, computed in float32 (one rounding), one fused kernel."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    s = scale.float().reshape((-1,) + (1,) * (q.dim() - 1))
+    return torch.mul(q, s, out=out)
+
+
 def group_norm_silu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int = 32, eps: float = 1e-5
 ) -> torch.Tensor:

@@ -173,6 +173,33 @@ def test_dequant_add_matches_reference(device, dtype):
         _assert_close(h, ref, dtype, "dequant_add_")
 
 
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "shape",
+    # SD conv and linear weights (vector path), conv_in's K = 36 and odd sizes (scalar path)
+    [(1280, 1280, 3, 3), (640, 2048), (320, 4, 3, 3), (7, 5, 3), (1, 1)],
+    ids=str,
+)
+def test_dequant_rows_matches_reference(device, dtype, shape):
+    with _setup(device):
+        gen = torch.Generator(device=device).manual_seed(13)
+        q = torch.randint(-127, 128, shape, generator=gen, device=device, dtype=torch.int8)
+        scale = torch.rand((shape[0],) + (1,) * (len(shape) - 1), generator=gen, device=device)
+        out = kernels.dequant_rows(q, scale, dtype)
+        assert out.dtype == dtype and out.shape == q.shape and out.device.type == device
+        ref = q.double() * scale.double()
+        _assert_close(out, ref, dtype, "dequant_rows")
+        # a (R,) scale means the same
+        _assert_close(kernels.dequant_rows(q, scale.flatten(), dtype), ref, dtype, "flat scale")
+
+
+def test_dequant_rows_rejects_a_scale_per_element():
+    q = torch.zeros(4, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match="one value per row"):
+        kernels.dequant_rows(q, torch.ones(4, 8), torch.float32)
+
+
 def _ref_gn_silu(x, w, b, groups, eps=1e-5):
     shape = x.shape
     g = x.double().reshape(shape[0], groups, -1)

@@ -206,4 +206,84 @@ void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::T
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// dequant_rows: out[r, k] = q[r, k] * scale[r] in out's dtype (fp32 math, one rounding): the
+// INT8 weights of the Memory Pool, expanded just before a layer runs. Rows are output channels
+// (K = the rest of the weight). V = 16 int8 per thread step (one 16-byte load, 16 stores'
+// worth of fp16/bf16/fp32 as 16-byte vectors) when K % 16 == 0 and the pointers are aligned
+// (every large SD layer but conv_in); scalar otherwise. Memory-bound: 3 bytes per weight.
+template <typename T, int V>
+__global__ void dequant_rows_kernel(T* __restrict__ out, const int8_t* __restrict__ q,
+                                    const float* __restrict__ scale, int64_t n, int64_t k) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t nv = n / V;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < nv;
+       j += stride) {
+    const int64_t e = j * V;
+    const float s = scale[e / k];
+    if constexpr (V == 1) {
+      out[e] = from_float<T>(static_cast<float>(q[e]) * s);
+    } else {
+      const I8Vec<V> a = reinterpret_cast<const I8Vec<V>*>(q)[j];
+      constexpr int W = 16 / sizeof(T);  // elements per 16-byte store
+      AlignedVec<T, W>* ov = reinterpret_cast<AlignedVec<T, W>*>(out + e);
+#pragma unroll
+      for (int c = 0; c < V / W; ++c) {
+        AlignedVec<T, W> o;
+#pragma unroll
+        for (int i = 0; i < W; ++i) o.v[i] = from_float<T>(static_cast<float>(a.v[c * W + i]) * s);
+        ov[c] = o;
+      }
+    }
+  }
+}
+
+void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale) {
+  TORCH_CHECK(q.is_cuda() && scale.is_cuda() && q.device() == scale.device(),
+              "dequant_rows_: q and scale must be on one CUDA device");
+  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() >= 1,
+              "dequant_rows_: q must be contiguous int8");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
+                  scale.numel() == q.size(0),
+              "dequant_rows_: scale must be contiguous float32 with one value per row");
+  TORCH_CHECK(out.device() == q.device() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "dequant_rows_: out must be contiguous, on q's device, with q's shape");
+  const at::ScalarType dtype = out.scalar_type();
+  const int64_t n = q.numel();
+  if (n == 0) return;
+  const int64_t k = n / q.size(0);
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int sms = sm_count();
+  const int threads = 256;
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sc = scale.data_ptr<float>();
+#define CNA_DR_LAUNCH(T)                                                                        \
+  do {                                                                                          \
+    T* op = reinterpret_cast<T*>(out.data_ptr());                                               \
+    const bool vec = k % 16 == 0 && aligned_to(qp, 16) && aligned_to(op, 16);                   \
+    const int64_t work = vec ? n / 16 : n;                                                      \
+    const int64_t blocks = std::max<int64_t>(                                                   \
+        1, std::min<int64_t>((work + threads - 1) / threads, static_cast<int64_t>(sms) * 8));   \
+    if (vec)                                                                                    \
+      dequant_rows_kernel<T, 16><<<blocks, threads, 0, stream>>>(op, qp, sc, n, k);             \
+    else                                                                                        \
+      dequant_rows_kernel<T, 1><<<blocks, threads, 0, stream>>>(op, qp, sc, n, k);              \
+  } while (0)
+  switch (dtype) {
+    case at::kHalf:
+      CNA_DR_LAUNCH(__half);
+      break;
+    case at::kBFloat16:
+      CNA_DR_LAUNCH(__nv_bfloat16);
+      break;
+    case at::kFloat:
+      CNA_DR_LAUNCH(float);
+      break;
+    default:
+      TORCH_CHECK(false, "dequant_rows_: dtype must be float16, bfloat16 or float32");
+  }
+#undef CNA_DR_LAUNCH
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace cna
