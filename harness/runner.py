@@ -90,6 +90,8 @@ class Runner:
 
         old_hook = comfy.utils.PROGRESS_BAR_HOOK
         comfy.utils.set_progress_bar_global_hook(hook)
+        sampling_peaks: list[tuple] = []
+        unpatch = _measure_sampling_peak(sampling_peaks) if self.cuda else (lambda: None)
         resident = peak_a = peak_r = None
         if self.cuda:
             torch.cuda.synchronize()
@@ -112,11 +114,14 @@ class Runner:
             wall = time.perf_counter() - t0
         finally:
             comfy.utils.set_progress_bar_global_hook(old_hook)
+            unpatch()
         if not self.executor.success:
             raise WorkflowFailed(_error_text(self.executor.status_messages))
         if self.cuda:
-            peak_a = torch.cuda.max_memory_allocated()
-            peak_r = torch.cuda.max_memory_reserved()
+            # the prompt's peak: before sampling (read when sampling began) or since
+            pre = [x for x in sampling_peaks if x[0] == "pre"]
+            peak_a = max([torch.cuda.max_memory_allocated()] + [x[1] for x in pre])
+            peak_r = max([torch.cuda.max_memory_reserved()] + [x[2] for x in pre])
             step_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
         else:
             step_ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
@@ -126,6 +131,10 @@ class Runner:
         if "decode" in ids:
             image = self.output_of(ids["decode"])[0].float().cpu()
         res = RunResult(latent, image, step_ms, wall, resident, peak_a, peak_r)
+        samp = [x for x in sampling_peaks if x[0] == "sampling"]
+        if samp:  # loading the run's models and sampling, without the prompt's other nodes
+            res.extra["sampling_peak_allocated"] = max(x[1] for x in samp)
+            res.extra["sampling_peak_reserved"] = max(x[2] for x in samp)
         if prof is not None:
             res.gpu_busy_ms, res.kernels = _kernel_summary(prof)
             res.extra["kernel_ms"] = _kernel_times(prof)
@@ -138,6 +147,36 @@ class Runner:
             raise WorkflowFailed(f"node {node_id} produced no output")
         outs = getattr(entry, "outputs", entry)
         return [o[0] if isinstance(o, list) and len(o) == 1 else o for o in outs]
+
+
+def _measure_sampling_peak(out: list):
+    """Record peak VRAM from the start of ComfyUI's ``CFGGuider.outer_sample`` (which loads the
+    run's models, then samples) to its end: ("pre", alloc, reserved) = the prompt's peak so far,
+    ("sampling", alloc, reserved) = the peak of this sampling call. Measurement only: the
+    harness wraps the method for one prompt and puts it back (returns the undo)."""
+    import comfy.samplers
+
+    cls = comfy.samplers.CFGGuider
+    orig = cls.outer_sample
+
+    def outer_sample(self, *args, **kwargs):
+        torch.cuda.synchronize()
+        out.append(("pre", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            out.append(
+                ("sampling", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+            )
+
+    cls.outer_sample = outer_sample
+
+    def undo():
+        cls.outer_sample = orig
+
+    return undo
 
 
 def _comfy_cpu() -> bool:

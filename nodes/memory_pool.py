@@ -175,6 +175,10 @@ class MemoryPoolPatch:
             n = _drop_patched_layers(patcher)
             if n:
                 logger.info("Memory Pool: %d layers patched by a LoRA after this node stay fp16", n)
+        try:
+            _park_originals(guider)
+        except Exception as e:  # never fail the run over memory placement
+            logger.warning("Memory Pool: could not move replaced weights off the GPU (%s)", e)
         if self.options.offload_idle_models:
             try:
                 _offload_idle(guider)
@@ -219,6 +223,35 @@ def _models_of_run(guider) -> list:
     for m in list(models):
         models += list(m.model_patches_models())
     return models
+
+
+def _park_originals(guider) -> None:
+    """Move the fp16 layers our INT8 modules replace to the offload device before ComfyUI
+    loads the run's models. They can sit on the GPU (ComfyUI loads a checkpoint straight to
+    the GPU when it has more free VRAM than RAM, or a stock clone left them there); loading the
+    INT8 copies beside them would hold both for a moment and set the peak."""
+    moved = 0
+    for p in _models_of_run(guider):
+        backup = getattr(p, "object_patches_backup", {}) or {}
+        for key, obj in getattr(p, "object_patches", {}).items():
+            if not isinstance(obj, wc._Int8Weight):
+                continue
+            orig = backup.get(key)
+            if orig is None:
+                import comfy.utils
+
+                orig = comfy.utils.get_attr(p.model, key)
+            if isinstance(orig, wc._Int8Weight) or not isinstance(orig, torch.nn.Module):
+                continue
+            w = getattr(orig, "weight", None)
+            if isinstance(w, torch.Tensor) and w.device != torch.device(p.offload_device):
+                orig.to(p.offload_device)
+                moved += 1
+    if moved:
+        import comfy.model_management as mm
+
+        mm.soft_empty_cache()
+        logger.info("Memory Pool: moved %d replaced fp16 layers off the GPU", moved)
 
 
 def _offload_idle(guider) -> None:

@@ -77,9 +77,13 @@ def test_int8_weights_stay_close_and_leave_the_checkpoint_alone(host, tiny_model
     # the same loaded checkpoint, sampled stock again: the fp16 (here fp32) originals are back
     again = _run(r, wl, None)
     assert torch.equal(again.latent, stock.latent)
-    # and the pooled result does not depend on what ran before (a fresh process agrees)
+    # and the pooled result does not depend on what ran before (a fresh process agrees;
+    # bit for bit on the CPU, to fp16 kernel noise on the GPU)
     fresh = _run(runner.Runner(), wl, "pool_int8")
-    assert torch.equal(fresh.latent, pooled.latent)
+    if host.cpu:
+        assert torch.equal(fresh.latent, pooled.latent)
+    else:
+        assert runner.psnr(pooled.latent, fresh.latent) >= 60.0
 
 
 def test_a_second_pool_node_over_a_loaded_pooled_model_still_compresses(host, tiny_models):
@@ -97,9 +101,11 @@ def test_the_clone_reports_its_smaller_size_and_the_original_is_untouched(host, 
     size0, cn_size0 = model.model_size(), cn.control_model_wrapped.model_size()
     before = {k: v.clone() for k, v in model.model.diffusion_model.state_dict().items()}
     m, c = mp.apply_memory_pool(model, cn, mp.PoolOptions())
-    # fp32 tiny models: int8 is a quarter of the large layers' bytes
-    assert m.model_size() < 0.5 * size0
-    assert c.control_model_wrapped.model_size() < 0.5 * cn_size0
+    # int8 is a quarter (fp32 on the CPU) or a half (fp16 on the GPU) of the large layers'
+    # bytes, plus one fp32 scale per output channel
+    bound = 0.3 if host.cpu else 0.55
+    assert m.model_size() < bound * size0
+    assert c.control_model_wrapped.model_size() < bound * cn_size0
     assert model.model_size() == size0 and cn.control_model_wrapped.model_size() == cn_size0
     assert c is not cn and c.control_model is cn.control_model
     assert len(m.object_patches) > 50 and not model.object_patches
