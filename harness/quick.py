@@ -104,7 +104,14 @@ VARIANTS["fused_positive_only+graph"] = _chain(_positive_only, VARIANTS["cuda_gr
 VARIANTS["cuda_graph_cl"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, channels_last=True
 )
-# ControlNets on a second stream inside the graph, beside the UNet's input blocks.
+# ControlNets on a second stream inside the graph, beside the UNet's input blocks: the node's
+# default since 2026-11-30 (so "cuda_graph"/"fused+graph" have it too); "_serial" turns it off.
+VARIANTS["fused+graph_serial"] = _chain(
+    _fused_apply,
+    _insert_model_node(
+        "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, concurrent_controlnet=False
+    ),
+)
 VARIANTS["fused+graph_cc"] = _chain(
     _fused_apply,
     _insert_model_node(

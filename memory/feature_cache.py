@@ -167,23 +167,35 @@ class StorePool:
     captured against them) outlive the copy. *Apply ControlNet* makes a new copy whenever its
     inputs change (prompt, hint, strength) or ComfyUI re-runs the node; without the pool every
     such copy would start with new buffers and recapture its graphs. ``take`` gives a store to
-    one user at a time; ``give`` returns it (filled or cleared) for the next."""
+    one user at a time, preferring one already laid out for the output about to be stored (two
+    workflows alternating on one network, at different sizes, keep their own buffers); ``give``
+    returns it. At most ``keep`` free stores are kept; the least recently returned is freed."""
 
-    def __init__(self, storage: str):
+    def __init__(self, storage: str, keep: int = 4):
         self.storage = storage
+        self.keep = keep
         self._free: list[ResidualStore] = []
         self._lock = threading.Lock()
 
-    def take(self) -> ResidualStore:
+    def take(self, out: dict | None = None) -> ResidualStore:
+        """A store for ``out`` (the output about to be put), or any free one if None."""
         with self._lock:
             if self._free:
-                return self._free.pop(0)
-        return ResidualStore(self.storage)
+                if out is None:
+                    return self._free.pop(0)
+                layout = ResidualStore._layout_of(out)
+                for pick in (lambda s: s.layout == layout, lambda s: s.layout is None):
+                    for i, s in enumerate(self._free):
+                        if pick(s):
+                            return self._free.pop(i)
+        return ResidualStore(self.storage)  # never re-lays out another workflow's buffers
 
     def give(self, store: ResidualStore) -> None:
         with self._lock:
             if all(s is not store for s in self._free):
                 self._free.append(store)
+            while len(self._free) > self.keep:
+                self._free.pop(0).clear()
 
     def nbytes(self) -> int:
         with self._lock:

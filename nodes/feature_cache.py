@@ -86,7 +86,7 @@ class _CachingModel:
         out = real(x=x, hint=hint, timesteps=timesteps, context=context, **extra)
         if owner.cna_cache_cfg.enabled:
             if store is None:
-                store = owner._stores[slot] = owner._pool(real).take()
+                store = owner._stores[slot] = owner._pool(real).take(out)
             store.put(out)
             if not owner.cna_graph_mode:  # inside a graph the hint is the glue's buffer: the
                 owner._keys[slot] = key  # host recorded the real key in cna_cache_plan

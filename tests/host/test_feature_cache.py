@@ -206,3 +206,22 @@ def test_adaptive_estimate_tracks_the_real_error(host, tiny_models, monkeypatch)
             real.append(float((oj - oi).norm() / oj.norm()))
     rho = _spearman(est, real)
     assert rho >= 0.7, (rho, list(zip(est, real, strict=True)))
+
+
+def test_two_workflows_alternating_on_one_network_keep_their_graphs(host, tiny_models):
+    """The benchmark's case (found on the H200): a cached workflow with the ControlNet on the
+    whole CFG batch and one with positive_only (half the batch: other buffer shapes) take turns.
+    Each must find its own buffers in the pool: after the first round, no capture."""
+    from comfyui_controlnet_accelerator.harness.quick import _positive_only
+
+    graph_mod = sys.modules[host.pack_module_name].nodes.cuda_graph
+    whole = _chain(EVERY2, VARIANTS["cuda_graph"])
+    half = _chain(EVERY2, _positive_only, VARIANTS["cuda_graph"])
+    r = runner.Runner()
+    _run(r, WL, 12, whole)
+    _run(r, WL, 12, half)
+    before = dict(graph_mod.TOTALS)
+    for _ in range(2):
+        _run(r, WL, 12, whole)
+        _run(r, WL, 12, half)
+    assert graph_mod.TOTALS["captures"] - before["captures"] == 0

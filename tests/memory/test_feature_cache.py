@@ -191,3 +191,28 @@ def test_store_pool_hands_each_store_to_one_user_at_a_time():
     assert pool.nbytes() == a.nbytes() > 0
     pool.clear()
     assert pool.nbytes() == 0 and not a.filled
+
+
+def test_store_pool_keeps_each_layout_for_its_own_workflow():
+    """Two workflows alternating on one network at two sizes: each gets back the buffers (and
+    generation) it had, so neither recaptures its graphs; never more than ``keep`` kept."""
+    pool = StorePool("int8", keep=2)
+    small, big = {"output": [torch.randn(1, 4, 2, 2)]}, {"output": [torch.randn(1, 4, 4, 4)]}
+    a = pool.take(small)
+    a.put(small)
+    pool.give(a)
+    b = pool.take(big)
+    assert b is not a  # a's buffers are not re-laid out for big
+    b.put(big)
+    pool.give(b)
+    gens = (a.generation, b.generation)
+    for _ in range(3):
+        x = pool.take(small)
+        y = pool.take(big)
+        assert (x, y) == (a, b) and (x.generation, y.generation) == gens
+        pool.give(x)
+        pool.give(y)
+    extra = pool.take({"output": [torch.randn(1, 4, 8, 8)]})
+    extra.put({"output": [torch.randn(1, 4, 8, 8)]})
+    pool.give(extra)  # a third layout: the least recently returned store is freed
+    assert len(pool._free) == 2 and not a.filled
