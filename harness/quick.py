@@ -50,19 +50,21 @@ def _fused_apply(p: dict, ids: dict) -> None:
 
 def _feature_cache(**inputs) -> Callable[[dict, dict], None]:
     """Put a ControlNet Feature Cache node after every ControlNet loader."""
-    import dataclasses
-
-    from ..memory.feature_cache import CacheConfig
-
-    inputs = {**dataclasses.asdict(CacheConfig()), **inputs}  # every input, node defaults
 
     def extra(p: dict, ids: dict) -> None:
+        # imported here, not when the variants are defined: importing torch before the host
+        # starts would keep PyTorch's native allocator instead of ComfyUI's cudaMallocAsync
+        import dataclasses
+
+        from ..memory.feature_cache import CacheConfig
+
+        all_inputs = {**dataclasses.asdict(CacheConfig()), **inputs}  # every input, defaults
         loaders = [k for k in ids if k.startswith("cn_")]
         for key in loaders:
             nid = str(max(int(k) for k in p) + 1)
             p[nid] = {
                 "class_type": "CNA_ControlNetFeatureCache",
-                "inputs": {"control_net": [ids[key], 0], **inputs},
+                "inputs": {"control_net": [ids[key], 0], **all_inputs},
             }
             for node in p.values():
                 if node["inputs"].get("control_net") == [ids[key], 0] and node is not p[nid]:
@@ -143,11 +145,11 @@ def _memory_pool(**inputs) -> Callable[[dict, dict], None]:
     """One ControlNet Memory Pool per ControlNet loader, chained on the MODEL (with no
     ControlNet, one for the model alone); the sampler gets the last one's model."""
 
-    import dataclasses
-
-    from ..nodes.memory_pool import PoolOptions  # plain module: no ComfyUI import at load
-
     def extra(p: dict, ids: dict) -> None:
+        import dataclasses  # (imported late: see _feature_cache)
+
+        from ..nodes.memory_pool import PoolOptions
+
         loaders = sorted(k for k in ids if k.startswith("cn_")) or [None]
         model_src = p[ids["sampler"]]["inputs"]["model"]
         for key in loaders:

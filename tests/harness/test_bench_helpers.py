@@ -38,3 +38,24 @@ def test_ssim_is_one_for_identical_images_and_falls_with_noise():
     big = (img + 0.3 * torch.randn(img.shape, generator=g)).clamp(0, 1)
     assert 1.0 > ssim(img, small) > ssim(img, big) > -1.0
     assert psnr(img, small) > psnr(img, big)
+
+
+def test_loading_the_benchmark_does_not_import_torch():
+    """benchmark.py must start ComfyUI's host before torch is imported, or cudaMallocAsync
+    (what ComfyUI's main.py selects) is silently replaced by PyTorch's native allocator — this
+    happened once, through a variant definition that imported a torch module."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import runpy, sys; sys.argv = ['benchmark.py']; "
+        f"g = runpy.run_path({str(root / 'benchmark.py')!r}, run_name='not_main'); "
+        "import comfyui_controlnet_accelerator.harness.quick as q; "
+        "assert q.VARIANTS; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "importing the benchmark's variants imported torch"
