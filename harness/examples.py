@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from ..memory.feature_cache import CacheConfig
+from ..nodes.memory_pool import PoolOptions
 from . import ui_workflow
 
 SD15_CKPT = "v1-5-pruned-emaonly-fp16.safetensors"
@@ -22,7 +23,12 @@ NEG = "blurry, low quality, watermark"
 
 
 def _graph(
-    ckpt: str, nets: list[str], size: int, ksampler_graph: bool, feature_cache: bool = False
+    ckpt: str,
+    nets: list[str],
+    size: int,
+    ksampler_graph: bool,
+    feature_cache: bool = False,
+    memory_pool: bool = False,
 ) -> tuple[dict, dict]:
     p: dict = {}
     titles: dict = {}
@@ -38,21 +44,34 @@ def _graph(
     pos = add("CLIPTextEncode", "Positive prompt", text=POS, clip=[ck, 1])
     neg = add("CLIPTextEncode", "Negative prompt", text=NEG, clip=[ck, 1])
     cp, cn_ = [pos, 0], [neg, 0]
+    model = [ck, 0]
     for i, net in enumerate(nets):
-        loader = add("ControlNetLoader", control_net_name=net)
-        if feature_cache:
-            loader = add(
-                "CNA_ControlNetFeatureCache",
-                "ControlNet Feature Cache (mode off = exact result)",
-                control_net=[loader, 0],
-                **dataclasses.asdict(CacheConfig()),  # the node's defaults
+        loader = [add("ControlNetLoader", control_net_name=net), 0]
+        if memory_pool:
+            pool = add(
+                "CNA_ControlNetMemoryPool",
+                "ControlNet Memory Pool (weights 'as loaded' = exact result)",
+                model=model,
+                control_net=loader,
+                **{**dataclasses.asdict(PoolOptions()), "offload_idle_models": True},
             )
+            model, loader = [pool, 0], [pool, 1]
+        if feature_cache:
+            loader = [
+                add(
+                    "CNA_ControlNetFeatureCache",
+                    "ControlNet Feature Cache (mode off = exact result)",
+                    control_net=loader,
+                    **dataclasses.asdict(CacheConfig()),  # the node's defaults
+                ),
+                0,
+            ]
         img = add("LoadImage", f"Control image {i + 1} (edge map / depth map)", image="example.png")
         ap = add(
             "CNA_ControlNetApplyFused",
             positive=cp,
             negative=cn_,
-            control_net=[loader, 0],
+            control_net=loader,
             image=[img, 0],
             strength=0.9 if i == 0 else 0.6,
             start_percent=0.0,
@@ -60,7 +79,6 @@ def _graph(
         )
         cp, cn_ = [ap, 0], [ap, 1]
     lat = add("EmptyLatentImage", width=size, height=size, batch_size=1)
-    model = [ck, 0]
     common = dict(
         seed=42,
         steps=25,
@@ -91,6 +109,10 @@ EXAMPLES = {
     ),
     "controlnet_sdxl_feature_cache_cuda_graph": lambda: _graph(
         SDXL_CKPT, [SDXL_CANNY], 1024, False, feature_cache=True
+    ),
+    # all four techniques on one ControlNet
+    "controlnet_sd15_all_techniques": lambda: _graph(
+        SD15_CKPT, [SD15_CANNY], 512, False, feature_cache=True, memory_pool=True
     ),
 }
 
