@@ -150,16 +150,18 @@ class Runner:
 
 
 def _measure_sampling_peak(out: list):
-    """Record peak VRAM from the start of ComfyUI's ``CFGGuider.outer_sample`` (which loads the
-    run's models, then samples) to its end: ("pre", alloc, reserved) = the prompt's peak so far,
-    ("sampling", alloc, reserved) = the peak of this sampling call. Measurement only: the
-    harness wraps the method for one prompt and puts it back (returns the undo)."""
+    """Record peak VRAM from the start of ComfyUI's ``CFGGuider.sample`` (outside every
+    OUTER_SAMPLE wrapper: the pack's nodes reset the peak counter there for their own badges;
+    then the run's models load, then it samples) to its end: ("pre", alloc, reserved) = the
+    prompt's peak so far, ("sampling", alloc, reserved) = the peak of this sampling call.
+    Measurement only: the harness wraps the method for one prompt and puts it back (returns the
+    undo)."""
     import comfy.samplers
 
     cls = comfy.samplers.CFGGuider
-    orig = cls.outer_sample
+    orig = cls.sample
 
-    def outer_sample(self, *args, **kwargs):
+    def sample(self, *args, **kwargs):
         torch.cuda.synchronize()
         out.append(("pre", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
         torch.cuda.reset_peak_memory_stats()
@@ -171,10 +173,10 @@ def _measure_sampling_peak(out: list):
                 ("sampling", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
             )
 
-    cls.outer_sample = outer_sample
+    cls.sample = sample
 
     def undo():
-        cls.outer_sample = orig
+        cls.sample = orig
 
     return undo
 

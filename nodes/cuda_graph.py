@@ -24,6 +24,7 @@ the graph with or without that ControlNet, so inactive steps skip its compute as
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 
 from ..graphs import GraphCache, backend_name
 from ..logger import logger
+from . import status
 from .channels_last import LayoutSwap
 
 WRAPPER_KEY = "cna_cuda_graph"
@@ -255,9 +257,11 @@ def _lowvram(module) -> bool:
 class CudaGraphPatch:
     """The three wrappers; the per-model graph state lives in ``_STATES``."""
 
-    def __init__(self, options: GraphOptions):
+    def __init__(self, options: GraphOptions, node_id=None):
         self.options = options
+        self.node_id = node_id  # the node that made this patch: its badge gets the run's figures
         self._layout: LayoutSwap | None = None  # channels-last weights of the current run
+        self._timing: list | None = None  # (kind, start event, end event) per model call
 
     # OUTER_SAMPLE: a new sampling run begins
     def outer_sample_wrapper(self, executor, *args, **kwargs):
@@ -268,14 +272,67 @@ class CudaGraphPatch:
             st = _STATES.get(model)
             if st is not None:
                 st.run_id += 1
-        if not (self.options.enabled and self.options.channels_last):
-            return executor(*args, **kwargs)
-        self._layout = LayoutSwap()
+        before = dict(TOTALS)
+        t0 = time.perf_counter()
+        self._timing = [] if self.node_id is not None and torch.cuda.is_available() else None
+        if self._timing is not None:
+            torch.cuda.reset_peak_memory_stats()  # the badge's peak is this run's
+        if self.options.enabled and self.options.channels_last:
+            self._layout = LayoutSwap()
+        ok = False
         try:
-            return executor(*args, **kwargs)
+            out = executor(*args, **kwargs)
+            ok = True
+            return out
         finally:  # the weights go back to ComfyUI's layout however the run ends
             layout, self._layout = self._layout, None
-            layout.restore()
+            if layout is not None:
+                layout.restore()
+            timing, self._timing = self._timing, None
+            if ok and self.node_id is not None:
+                sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+                self._report(model, before, time.perf_counter() - t0, sigmas, timing)
+
+    def _report(self, model, before: dict, wall_s: float, sigmas, timing) -> None:
+        """The run's figures to this node's badge (nodes/status.py)."""
+        try:
+            d = {k: TOTALS[k] - before.get(k, 0) for k in ("captures", "replays", "eager")}
+            steps = max(1, len(sigmas) - 1) if sigmas is not None else None
+            if timing and torch.cuda.is_available():
+                torch.cuda.synchronize()
+            per = {}
+            for kind, a, b in timing or []:
+                per.setdefault(kind, []).append(a.elapsed_time(b))
+            data = {**d, "steps": steps}
+            lines = []
+            if not self.options.enabled:
+                lines.append("CUDA graph: off")
+            else:
+                lines.append(
+                    f"CUDA graph: {d['replays']} replayed · {d['captures']} captured · "
+                    f"{d['eager']} eager"
+                )
+            if steps:
+                data["ms_per_step"] = 1e3 * wall_s / steps
+                line = f"{data['ms_per_step']:.1f} ms/step"
+                if per.get("replay") and per.get("eager"):
+                    data["replay_ms"] = sum(per["replay"]) / len(per["replay"])
+                    data["eager_ms"] = sum(per["eager"]) / len(per["eager"])
+                    data["speedup_vs_eager"] = data["eager_ms"] / data["replay_ms"]
+                    line += f" · {data['speedup_vs_eager']:.1f}× vs eager step"
+                lines.append(line)
+            st = _STATES.get(model)
+            reasons = sorted(st.eager_reasons) if st is not None else []
+            unexpected = [r for r in reasons if r not in (FIRST_STEP, CACHE_FILL)]
+            if unexpected:
+                data["eager_reasons"] = unexpected
+                lines.append("eager: " + status.short(unexpected[0]))
+            if torch.cuda.is_available():
+                data["peak_allocated"] = torch.cuda.max_memory_allocated()
+                lines.append(f"peak VRAM {status.mib(data['peak_allocated'])}")
+            status.report(self.node_id, "cuda_graph", lines, data)
+        except Exception as e:  # a badge must never fail a run
+            logger.debug("CUDA Graph: no badge for this run: %s", e)
 
     # CALC_COND_BATCH: defer control calls to APPLY_MODEL
     def calc_cond_batch_wrapper(self, executor, model, conds, x_in, timestep, model_options):
@@ -314,6 +371,31 @@ class CudaGraphPatch:
     ):
         if transformer_options is None:
             transformer_options = {}
+        timing = self._timing
+        if timing is not None and x.is_cuda:  # one pair of events per call, read at run end
+            before = (TOTALS["replays"], TOTALS["captures"])
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = self._apply_model(
+                executor, x, t, c_concat, c_crossattn, control, transformer_options, kwargs
+            )
+            end.record()
+            kind = (
+                "capture"
+                if TOTALS["captures"] > before[1]
+                else "replay"
+                if TOTALS["replays"] > before[0]
+                else "eager"
+            )
+            timing.append((kind, start, end))
+            return out
+        return self._apply_model(
+            executor, x, t, c_concat, c_crossattn, control, transformer_options, kwargs
+        )
+
+    def _apply_model(
+        self, executor, x, t, c_concat, c_crossattn, control, transformer_options, kwargs
+    ):
         call = control if isinstance(control, ControlCall) else None
 
         def eager():
@@ -658,6 +740,7 @@ class _chain_overrides:
             # before each replay, so its encoding must run inside the graph (no caching).
             cn.cna_force_active = bool(self.active[i])
             cn.cna_graph_mode = True
+            cn.cna_ran_in_graph = True  # for its badge (cleared at cleanup)
             if i < len(strengths):
                 cn.strength = strengths[i]
             if i < len(hints) and hints[i] is not None:
@@ -688,7 +771,7 @@ def _passthrough(cn):
     return get_control
 
 
-def apply_cuda_graph(model, options: GraphOptions):
+def apply_cuda_graph(model, options: GraphOptions, node_id=None):
     """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling steps run in CUDA graphs."""
     import comfy.patcher_extension as pe
 
@@ -699,7 +782,7 @@ def apply_cuda_graph(model, options: GraphOptions):
                 "CUDA Graph: this ComfyUI has no %s wrapper; the model runs eager", wtype
             )
             return m
-    patch = CudaGraphPatch(options)
+    patch = CudaGraphPatch(options, node_id)
     for wtype in ("OUTER_SAMPLE", "CALC_COND_BATCH", "APPLY_MODEL"):
         m.remove_wrappers_with_key(getattr(pe.WrappersMP, wtype), WRAPPER_KEY)
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, patch.outer_sample_wrapper)

@@ -38,6 +38,7 @@ from ..memory.feature_cache import (
     StorePool,
     step_of,
 )
+from . import status
 from .fused_apply import FusedControlNet
 
 STATS = {"computed": 0, "reused": 0}
@@ -106,6 +107,7 @@ class CachedControlNet(FusedControlNet):
         self._stores: dict[int, ResidualStore] = getattr(self, "_stores", {})
         self._keys: dict[int, tuple] = {}
         self._memo: tuple | None = None  # (sigma, Decision, calls so far this step)
+        self._run_counts = {"computed": 0, "reused": 0}  # steps, for the node's badge
         self._schedule: tuple | None = None  # (the run's sigmas tensor, its values as floats)
         self.cna_graph_pinned = False
 
@@ -133,6 +135,8 @@ class CachedControlNet(FusedControlNet):
         return _pool_for(net, self.cna_cache_cfg.storage)
 
     def cleanup(self):
+        if self.__dict__.get("cna_cache_node_id") is not None:
+            self._report_cache()
         pool = self._pool() if self._stores else None
         for s in self._stores.values():
             if not self.cna_graph_pinned:
@@ -143,6 +147,20 @@ class CachedControlNet(FusedControlNet):
         self._keys = {}
         self._memo = None
         super().cleanup()
+
+    def _report_cache(self) -> None:
+        """This run's reuse to the Feature Cache node's badge (nodes/status.py)."""
+        c = self._run_counts
+        total = c["computed"] + c["reused"]
+        if total == 0:
+            return
+        cfg = self.cna_cache_cfg
+        lines = [
+            f"feature cache: {c['reused']}/{total} steps reused ({100 * c['reused'] / total:.0f}%)",
+            f"{cfg.storage} store {status.mib(self.cache_bytes())}",
+        ]
+        data = {**c, "hit_rate": c["reused"] / total, "bytes": self.cache_bytes()}
+        status.report(self.cna_cache_node_id, "feature_cache", lines, data)
 
     def cache_bytes(self) -> int:
         return sum(s.nbytes() for s in self._stores.values())
@@ -187,6 +205,7 @@ class CachedControlNet(FusedControlNet):
                 self._policy.reused_one()
             else:
                 self._policy.filled(step, x_in, sigma, key)
+            self._run_counts["reused" if d.reuse else "computed"] += 1
         self._memo = (sigma, d, 1)
         return d.reuse, 0
 
@@ -221,7 +240,7 @@ class CachedControlNet(FusedControlNet):
         return _CachingModel(self, model, t, transformer_options)
 
 
-def apply_cache(control_net, cfg: CacheConfig):
+def apply_cache(control_net, cfg: CacheConfig, node_id=None):
     """What the node does: a copy of ``control_net`` that caches its residuals."""
     from .fused_apply import why_not_fusable
 
@@ -231,4 +250,6 @@ def apply_cache(control_net, cfg: CacheConfig):
     if why is not None:
         logger.warning("ControlNet Feature Cache: %s is not cached (runs as it is)", why)
         return control_net
-    return CachedControlNet.from_controlnet(control_net, cfg)
+    c = CachedControlNet.from_controlnet(control_net, cfg)
+    c.cna_cache_node_id = node_id
+    return c

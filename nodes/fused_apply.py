@@ -34,6 +34,7 @@ import torch
 from ..errors import NodeInputError
 from ..kernels import control_merge as fused_merge
 from ..logger import logger
+from . import status
 
 try:  # ComfyUI is the host; keep this module importable for tooling without it
     import comfy.controlnet as _cn
@@ -86,6 +87,7 @@ class _CachedHintBlock:
             return o._hint_enc
         enc = self.block(hint, emb, context)
         _count("hint_encodes")
+        o.cna_run_encodes = o.__dict__.get("cna_run_encodes", 0) + 1
         o._hint_key, o._hint_enc, o._hint_src = key, enc, hint
         return enc
 
@@ -96,6 +98,7 @@ class FusedControlNet(_Base):
     # Run the net on the positive half of the CFG batch only and give the negative half the same
     # residuals (half the ControlNet work; changes the picture slightly). Off by default.
     cna_positive_only: bool = False
+    cna_node_id = None  # the Apply ControlNet (Fused) node that made it: its badge
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -116,8 +119,9 @@ class FusedControlNet(_Base):
         c.control_model = cn.control_model
         c.control_model_wrapped = cn.control_model_wrapped
         cn.copy_to(c)
-        if "cna_positive_only" in cn.__dict__:
-            c.cna_positive_only = cn.cna_positive_only
+        for attr in ("cna_positive_only", "cna_node_id", "cna_cache_node_id"):
+            if attr in cn.__dict__:
+                setattr(c, attr, cn.__dict__[attr])
         return c
 
     def copy(self) -> FusedControlNet:
@@ -125,7 +129,38 @@ class FusedControlNet(_Base):
 
     def cleanup(self):
         self._hint_key = self._hint_enc = self._hint_src = None
+        if self.cna_node_id is not None:
+            self._report()
+        self.__dict__.pop("cna_run_encodes", None)
+        self.__dict__.pop("cna_ran_in_graph", None)
         super().cleanup()
+
+    def _report(self) -> None:
+        """This run's figures to the Apply node's badge (nodes/status.py)."""
+        try:
+            from .. import kernels
+
+            dev = next(self.control_model.parameters()).device
+            cuda = next(b for b in kernels.list_backends() if b["name"] == "cuda")
+            if dev.type != "cuda":
+                kern = f"kernels: PyTorch ({dev.type})"
+            elif cuda["available"] and cuda.get("used_by_default"):
+                kern = "kernels: CUDA"
+            else:
+                kern = "kernels: PyTorch (" + status.short(cuda.get("reason") or "off", 40) + ")"
+            n = self.__dict__.get("cna_run_encodes", 0)
+            graphed = self.__dict__.get("cna_ran_in_graph", False)
+            hint = "hint: in the CUDA graph" if graphed else f"hint encoded {n}× this run"
+            nets, prev = 1, self.previous_controlnet
+            while isinstance(prev, FusedControlNet):
+                nets, prev = nets + 1, prev.previous_controlnet
+            lines = [kern, hint, f"{nets} ControlNet(s) merged in 1 fused op"]
+            if self.cna_positive_only:
+                lines.append("positive half of CFG only")
+            data = {"kernels": kern, "hint_encodes": n, "in_graph": graphed, "nets_merged": nets}
+            status.report(self.cna_node_id, "fused_apply", lines, data)
+        except Exception as e:  # a badge must never fail a run
+            logger.debug("Apply ControlNet (Fused): no badge: %s", e)
 
     # -- the stock body, unscaled, with the hint encoding cached ------------------------------
 
@@ -423,6 +458,7 @@ def apply_fused(
     end_percent,
     vae=None,
     positive_only=False,
+    node_id=None,
 ):
     """What the node does: stock Apply ControlNet's wiring with FusedControlNet objects."""
     if strength == 0:
@@ -457,6 +493,7 @@ def apply_fused(
                 )
                 c_net = base.set_cond_hint(hint, strength, (start_percent, end_percent), vae=vae)
                 c_net.cna_positive_only = bool(positive_only)
+                c_net.cna_node_id = node_id
                 c_net.set_previous_controlnet(prev)
                 cnets[prev] = c_net
             d["control"] = c_net

@@ -34,6 +34,7 @@ import torch
 
 from ..logger import logger
 from ..memory import weight_compress as wc
+from . import status
 
 WRAPPER_KEY = "cna_memory_pool"
 MiB = 1024 * 1024
@@ -165,8 +166,11 @@ def _drop_patched_layers(patcher) -> int:
 
 
 class MemoryPoolPatch:
-    def __init__(self, options: PoolOptions):
+    def __init__(self, options: PoolOptions, node_id=None, reports: list | None = None):
         self.options = options
+        self.node_id = node_id  # the node whose badge gets the run's figures
+        self.reports = reports or []  # CompressReports of this node's weights
+        self._offloaded: list[str] = []
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
@@ -179,9 +183,10 @@ class MemoryPoolPatch:
             _park_originals(guider)
         except Exception as e:  # never fail the run over memory placement
             logger.warning("Memory Pool: could not move replaced weights off the GPU (%s)", e)
+        self._offloaded = []
         if self.options.offload_idle_models:
             try:
-                _offload_idle(guider)
+                self._offloaded = _offload_idle(guider)
             except Exception as e:  # a newer ComfyUI's memory manager: never fail the run
                 logger.warning("Memory Pool: could not offload idle models (%s)", e)
         dev = getattr(patcher, "load_device", None)
@@ -208,6 +213,27 @@ class MemoryPoolPatch:
                     fig["peak_allocated_mib"],
                     fig["peak_reserved_mib"],
                 )
+            if ok:
+                self._report(fig if cuda else {"completed": ok})
+
+    def _report(self, fig: dict) -> None:
+        lines = []
+        if "peak_allocated_mib" in fig:
+            lines.append(
+                f"peak VRAM {status.mib(fig['peak_allocated_mib'] * MiB)} "
+                f"(reserved {status.mib(fig['peak_reserved_mib'] * MiB)})"
+            )
+        else:
+            lines.append("peak VRAM: n/a (not on a CUDA GPU)")
+        before = sum(r.bytes_before for r in self.reports)
+        after = sum(r.bytes_after for r in self.reports)
+        if before:
+            lines.append(f"weights int8: {status.mib(before)} → {status.mib(after)}")
+        if self._offloaded:
+            lines.append("unloaded while sampling: " + ", ".join(self._offloaded))
+        data = {**fig, "weights_before": before, "weights_after": after}
+        data["offloaded"] = list(self._offloaded)
+        status.report(self.node_id, "memory_pool", lines, data)
 
 
 def _models_of_run(guider) -> list:
@@ -254,7 +280,7 @@ def _park_originals(guider) -> None:
         logger.info("Memory Pool: moved %d replaced fp16 layers off the GPU", moved)
 
 
-def _offload_idle(guider) -> None:
+def _offload_idle(guider) -> list[str]:
     """Unload from the sampling device every loaded model this run does not use."""
     import comfy.model_management as mm
 
@@ -272,23 +298,26 @@ def _offload_idle(guider) -> None:
     if freed:
         mm.soft_empty_cache()
         logger.info("Memory Pool: unloaded idle models for sampling: %s", ", ".join(freed))
+    return freed
 
 
-def apply_memory_pool(model, control_net, options: PoolOptions):
+def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
     """What the node does: (model, control_net) patched as ``options`` say."""
     import comfy.patcher_extension as pe
 
     m = model
+    reports: list[CompressReport] = []
     if options.unet_weights == "int8":
         if getattr(model.model, "diffusion_model", None) is None:
             logger.warning("Memory Pool: this MODEL has no diffusion_model; weights as loaded")
             m = model.clone()
         else:
-            m, _ = compress_patcher(model, "diffusion_model", "diffusion model")
+            m, rep = compress_patcher(model, "diffusion_model", "diffusion model")
+            reports.append(rep)
     else:
         m = model.clone()
     if hasattr(pe, "WrappersMP") and hasattr(pe.WrappersMP, "OUTER_SAMPLE"):
-        patch = MemoryPoolPatch(options)
+        patch = MemoryPoolPatch(options, node_id, reports)
         m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, patch.outer_sample_wrapper)
     else:
@@ -300,9 +329,10 @@ def apply_memory_pool(model, control_net, options: PoolOptions):
             logger.warning("Memory Pool: ControlNet %s; its weights stay as loaded", why)
         else:
             cn = cn.copy()
-            cn.control_model_wrapped, _ = compress_patcher(
+            cn.control_model_wrapped, rep = compress_patcher(
                 control_net.control_model_wrapped, None, "ControlNet"
             )
+            reports.append(rep)
     return m, cn
 
 

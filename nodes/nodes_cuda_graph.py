@@ -9,6 +9,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from .cuda_graph import GraphOptions, apply_cuda_graph
+from .status import node_id_of
 
 CATEGORY = "ControlNet Accelerator/sampling"
 
@@ -83,6 +84,7 @@ class CUDAGraphModel(io.ComfyNode):
                 *_graph_inputs(),
             ],
             outputs=[io.Model.Output(tooltip="The same model, sampling through CUDA graphs.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -98,7 +100,7 @@ class CUDAGraphModel(io.ComfyNode):
         if not enabled:
             return io.NodeOutput(model)
         opts = _options(enabled, max_graphs, verify, channels_last, concurrent_controlnet)
-        return io.NodeOutput(apply_cuda_graph(model, opts))
+        return io.NodeOutput(apply_cuda_graph(model, opts, node_id=node_id_of(cls)))
 
 
 class KSamplerCUDAGraph(io.ComfyNode):
@@ -165,6 +167,7 @@ class KSamplerCUDAGraph(io.ComfyNode):
                 *_graph_inputs(),
             ],
             outputs=[io.Latent.Output(tooltip="The denoised latent.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -190,7 +193,7 @@ class KSamplerCUDAGraph(io.ComfyNode):
 
         if enabled:
             opts = _options(enabled, max_graphs, verify, channels_last, concurrent_controlnet)
-            model = apply_cuda_graph(model, opts)
+            model = apply_cuda_graph(model, opts, node_id=node_id_of(cls))
         (latent,) = nodes.common_ksampler(
             model,
             seed,

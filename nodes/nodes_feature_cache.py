@@ -8,6 +8,7 @@ from comfy_api.latest import io
 
 from ..memory.feature_cache import MODES, STORAGES, CacheConfig
 from .feature_cache import apply_cache
+from .status import node_id_of
 
 CATEGORY = "ControlNet Accelerator/loaders"
 _D = CacheConfig()  # the defaults live in one place
@@ -88,6 +89,7 @@ class ControlNetFeatureCache(io.ComfyNode):
                 ),
             ],
             outputs=[io.ControlNet.Output("control_net_out", display_name="control_net")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -124,7 +126,7 @@ class ControlNetFeatureCache(io.ComfyNode):
             reuse_start=reuse_start,
             reuse_end=reuse_end,
         )
-        return io.NodeOutput(apply_cache(control_net, cfg))
+        return io.NodeOutput(apply_cache(control_net, cfg, node_id=node_id_of(cls)))
 
 
 NODES = [ControlNetFeatureCache]

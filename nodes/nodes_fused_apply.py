@@ -6,6 +6,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from .fused_apply import apply_fused
+from .status import node_id_of
 
 CATEGORY = "ControlNet Accelerator/conditioning"
 
@@ -73,6 +74,7 @@ class ControlNetApplyFused(io.ComfyNode):
                 io.Conditioning.Output("positive_out", display_name="positive"),
                 io.Conditioning.Output("negative_out", display_name="negative"),
             ],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -98,6 +100,7 @@ class ControlNetApplyFused(io.ComfyNode):
             end_percent,
             vae=vae,
             positive_only=positive_only,
+            node_id=node_id_of(cls),
         )
         return io.NodeOutput(pos, neg)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from .memory_pool import WEIGHT_MODES, PoolOptions, apply_memory_pool
+from .status import node_id_of
 
 CATEGORY = "ControlNet Accelerator/loaders"
 _D = PoolOptions()
@@ -58,6 +59,7 @@ class ControlNetMemoryPool(io.ComfyNode):
                 io.Model.Output("model_out", display_name="model"),
                 io.ControlNet.Output("control_net_out", display_name="control_net"),
             ],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -70,7 +72,7 @@ class ControlNetMemoryPool(io.ComfyNode):
         offload_idle_models=_D.offload_idle_models,
     ) -> io.NodeOutput:
         opts = PoolOptions(unet_weights, controlnet_weights, bool(offload_idle_models))
-        m, cn = apply_memory_pool(model, control_net, opts)
+        m, cn = apply_memory_pool(model, control_net, opts, node_id=node_id_of(cls))
         return io.NodeOutput(m, cn)
 
 

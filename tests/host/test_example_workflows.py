@@ -5,6 +5,7 @@ run end to end (on the tiny models, with the user's model names swapped for ours
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,15 @@ def test_example_runs_on_tiny_models(host, tiny_models, path, monkeypatch):
         elif ct == "SaveImage":
             node["class_type"] = "PreviewImage"  # keep the test's output folder clean
             ins.pop("filename_prefix")
+    status = sys.modules[host.pack_module_name].nodes.status
+    status.LAST.clear()
     res = runner.Runner().run(api, ids)
     assert res.image is not None and res.image.shape == (1, 64, 64, 3)
     assert torch.isfinite(res.image).all()
+    # every node of ours reported its run for the front end's badge, with figures in it
+    ours = {nid: n["class_type"] for nid, n in api.items() if n["class_type"].startswith("CNA_")}
+    assert ours
+    for nid, ct in ours.items():
+        got = status.LAST.get(str(nid))
+        assert got is not None, f"{ct} (node {nid}) sent no badge"
+        assert got["lines"] and any(ch.isdigit() for ch in " ".join(got["lines"])), got
