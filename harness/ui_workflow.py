@@ -46,6 +46,25 @@ def _is_link(v) -> bool:
     return isinstance(v, list) and len(v) == 2 and isinstance(v[0], str) and isinstance(v[1], int)
 
 
+# Rough LiteGraph geometry, so nodes (and the badges drawn under ours) do not overlap.
+_TALL = {"LoadImage": 330, "CLIPTextEncode": 150, "SaveImage": 300, "PreviewImage": 300}
+
+
+def _layout(nodes: dict, depth: dict) -> None:
+    """Columns by dependency depth; in each column nodes stacked by their estimated height,
+    with room below each for the pack's run badge."""
+    y: dict[int, int] = {}
+    for nid in sorted(nodes, key=int):
+        n = nodes[nid]
+        slots = max(len(n["inputs"]), len(n["outputs"]))
+        widgets = len(n["widgets_values"])
+        h = 40 + 22 * slots + 24 * widgets + _TALL.get(n["type"], 0)
+        col = depth[nid]
+        n["pos"] = [40 + 420 * col, y.get(col, 40)]
+        n["size"] = [360, h]
+        y[col] = y.get(col, 40) + h + 110
+
+
 def api_to_ui(prompt: dict, titles: dict[str, str] | None = None) -> dict:
     """A UI-format graph for an API prompt, laid out left to right by dependency depth."""
     titles = titles or {}
@@ -119,6 +138,7 @@ def api_to_ui(prompt: dict, titles: dict[str, str] | None = None) -> dict:
     order = sorted(prompt, key=lambda n: (depth[n], int(n)))
     for i, nid in enumerate(order):
         nodes_out[nid]["order"] = i
+    _layout(nodes_out, depth)
     return {
         "last_node_id": max(int(n) for n in prompt),
         "last_link_id": len(links),

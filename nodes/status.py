@@ -37,8 +37,10 @@ def report(node_id, kind: str, lines: list[str], data: dict | None = None) -> No
 
 
 def mib(x: float) -> str:
-    """Bytes → '1.23 GB' / '456 MB' (the badge's unit)."""
-    return f"{x / 1024**3:.2f} GB" if x >= 1024**3 else f"{x / 1024**2:.0f} MB"
+    """Bytes → '1.23 GB' / '456 MB' / '148 KB' (the badge's unit)."""
+    if x >= 1024**3:
+        return f"{x / 1024**3:.2f} GB"
+    return f"{x / 1024**2:.0f} MB" if x >= 1024**2 else f"{x / 1024:.0f} KB"
 
 
 def short(reason: str, n: int = 60) -> str:
