@@ -102,6 +102,57 @@ def _graph(
     return p, titles
 
 
+def _side_by_side(ckpt: str, net: str, size: int) -> tuple[dict, dict]:
+    """One prompt, one seed, two branches: stock *Apply ControlNet* + *KSampler (CUDA Graph)*
+    with graphs off (it samples exactly as KSampler; its badge times the run), and the
+    accelerated branch (*Apply ControlNet (Fused)* + graphs on). Both badges show ms/step."""
+    p: dict = {}
+    titles: dict = {}
+
+    def add(ct, title=None, **inputs):
+        nid = str(len(p) + 1)
+        p[nid] = {"class_type": ct, "inputs": inputs}
+        if title:
+            titles[nid] = title
+        return nid
+
+    ck = add("CheckpointLoaderSimple", ckpt_name=ckpt)
+    pos = add("CLIPTextEncode", "Positive prompt", text=POS, clip=[ck, 1])
+    neg = add("CLIPTextEncode", "Negative prompt", text=NEG, clip=[ck, 1])
+    loader = add("ControlNetLoader", control_net_name=net)
+    img = add("LoadImage", "Control image (edge map)", image="example.png")
+    lat = add("EmptyLatentImage", width=size, height=size, batch_size=1)
+    apply = dict(
+        positive=[pos, 0],
+        negative=[neg, 0],
+        control_net=[loader, 0],
+        image=[img, 0],
+        strength=0.9,
+        start_percent=0.0,
+        end_percent=1.0,
+    )
+    stock_ap = add("ControlNetApplyAdvanced", "Stock: Apply ControlNet", **apply)
+    fast_ap = add("CNA_ControlNetApplyFused", "Accelerated: Apply ControlNet (Fused)", **apply)
+    common = dict(seed=42, steps=25, cfg=7.0, sampler_name="dpmpp_2m", scheduler="karras")
+    common.update(latent_image=[lat, 0], denoise=1.0, max_graphs=8, verify=False)
+    for title, ap, on, prefix in (
+        ("Stock: KSampler (graphs off, timing only)", stock_ap, False, "stock"),
+        ("Accelerated: KSampler (CUDA Graph)", fast_ap, True, "accelerated"),
+    ):
+        ks = add(
+            "CNA_KSamplerCUDAGraph",
+            title,
+            model=[ck, 0],
+            positive=[ap, 0],
+            negative=[ap, 1],
+            enabled=on,
+            **common,
+        )
+        dec = add("VAEDecode", samples=[ks, 0], vae=[ck, 2])
+        add("SaveImage", images=[dec, 0], filename_prefix=f"controlnet_{prefix}")
+    return p, titles
+
+
 EXAMPLES = {
     "controlnet_sd15_cuda_graph": lambda: _graph(SD15_CKPT, [SD15_CANNY], 512, False),
     "controlnet_sdxl_two_nets_ksampler_cuda_graph": lambda: _graph(
@@ -110,6 +161,8 @@ EXAMPLES = {
     "controlnet_sdxl_feature_cache_cuda_graph": lambda: _graph(
         SDXL_CKPT, [SDXL_CANNY], 1024, False, feature_cache=True
     ),
+    # stock and accelerated side by side, same seed, both timed
+    "controlnet_sd15_stock_vs_accelerated": lambda: _side_by_side(SD15_CKPT, SD15_CANNY, 512),
     # all four techniques on one ControlNet
     "controlnet_sd15_all_techniques": lambda: _graph(
         SD15_CKPT, [SD15_CANNY], 512, False, feature_cache=True, memory_pool=True

@@ -191,9 +191,12 @@ class KSamplerCUDAGraph(io.ComfyNode):
     ):
         import nodes
 
-        if enabled:
+        node_id = node_id_of(cls)
+        if enabled or node_id is not None:
+            # disabled, it samples exactly as KSampler does and only times the run for its
+            # badge (a stock baseline beside an accelerated branch in one workflow)
             opts = _options(enabled, max_graphs, verify, channels_last, concurrent_controlnet)
-            model = apply_cuda_graph(model, opts, node_id=node_id_of(cls))
+            model = apply_cuda_graph(model, opts, node_id=node_id)
         (latent,) = nodes.common_ksampler(
             model,
             seed,

@@ -73,14 +73,19 @@ def test_example_runs_on_tiny_models(host, tiny_models, path, monkeypatch):
             ids["sampler"] = nid
         elif ct == "VAEDecode":
             ids["decode"] = nid
+            ids.setdefault("decodes", []).append(nid)
         elif ct == "SaveImage":
             node["class_type"] = "PreviewImage"  # keep the test's output folder clean
             ins.pop("filename_prefix")
     status = sys.modules[host.pack_module_name].nodes.status
     status.LAST.clear()
-    res = runner.Runner().run(api, ids)
+    r = runner.Runner()
+    res = r.run(api, ids)
     assert res.image is not None and res.image.shape == (1, 64, 64, 3)
     assert torch.isfinite(res.image).all()
+    if "stock_vs_accelerated" in path.name:  # both branches: the same picture
+        stock_img, fast_img = (r.output_of(d)[0] for d in ids["decodes"])
+        assert torch.equal(stock_img, fast_img)
     # every node of ours reported its run for the front end's badge, with figures in it
     ours = {nid: n["class_type"] for nid, n in api.items() if n["class_type"].startswith("CNA_")}
     assert ours
