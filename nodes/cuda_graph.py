@@ -374,8 +374,16 @@ class CudaGraphPatch:
         timing = self._timing
         if timing is not None and x.is_cuda:  # one pair of events per call, read at run end
             before = (TOTALS["replays"], TOTALS["captures"])
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            try:
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+            except Exception as e:  # timing is for the badge only: never in the way
+                logger.debug("CUDA Graph: step timing off for this run: %s", e)
+                self._timing = None
+                return self._apply_model(
+                    executor, x, t, c_concat, c_crossattn, control, transformer_options, kwargs
+                )
             out = self._apply_model(
                 executor, x, t, c_concat, c_crossattn, control, transformer_options, kwargs
             )

@@ -32,13 +32,13 @@ def _mp(host):
     return sys.modules[host.pack_module_name].nodes.memory_pool
 
 
-def _run(r, wl, variant, seed=5):
+def _run(r, wl, variant, seed=5, **kw):
     import folder_paths
 
     hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
     extra = VARIANTS[variant] if isinstance(variant, str) else variant
     p, ids = wf.build_prompt(wl, seed, hints, extra)
-    return r.run(p, ids)
+    return r.run(p, ids, **kw)
 
 
 def _loaded(tiny_models):
@@ -183,3 +183,68 @@ def test_unsupported_controlnets_pass_through(host, tiny_models):
     assert out is odd
     assert "not a standard ControlNet" in mp.why_not_compressible(odd)
     assert mp.why_not_compressible(cn) is None
+
+
+def _same(host, a, b):
+    if host.cpu:
+        assert torch.equal(a.latent, b.latent)
+    else:
+        assert runner.psnr(a.latent, b.latent) >= 60.0
+
+
+def test_interrupted_pooled_run_leaves_nothing_behind(host, tiny_models):
+    """Interrupted mid-run: the next pooled run gives the uninterrupted result and the next
+    stock run the stock one (the fp16 originals are back in the model)."""
+    import comfy.model_management
+
+    wl = T1.with_(steps=8)
+    r = runner.Runner()
+    want_pool = _run(runner.Runner(), wl, "pool_int8_offload", seed=13)
+    want_stock = _run(runner.Runner(), wl, None, seed=13)
+
+    def interrupt(step):
+        if step == 3:
+            comfy.model_management.interrupt_current_processing(True)
+
+    with pytest.raises(runner.WorkflowFailed, match="interrupted"):
+        _run(r, wl, "pool_int8_offload", seed=13, on_step=interrupt)
+    _same(host, want_pool, _run(r, wl, "pool_int8_offload", seed=13))
+    _same(host, want_stock, _run(r, wl, None, seed=13))
+
+
+def test_models_unloaded_between_pooled_runs(host, tiny_models):
+    import comfy.model_management
+
+    r = runner.Runner()
+    first = _run(r, T2, "pool_int8")
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()
+    _same(host, first, _run(r, T2, "pool_int8"))
+    _same(host, _run(runner.Runner(), T2, None), _run(r, T2, None))
+
+
+def test_no_growth_over_repeated_runs(host, tiny_models):
+    """52 runs alternating pooled and stock prompts: no new INT8 copies after the first round,
+    the compressed-module cache stays the size of the model, results do not drift."""
+    import gc
+
+    mp = _mp(host)
+    wc = sys.modules[host.pack_module_name].memory.weight_compress
+    wl = T1.with_(steps=2)
+    r = runner.Runner()
+
+    def live_int8() -> int:
+        gc.collect()
+        return sum(isinstance(o, wc._Int8Weight) for o in gc.get_objects())
+
+    first = _run(r, wl, "pool_int8")
+    _run(r, wl, None)
+    n_live, n_cache = live_int8(), len(mp._COMPRESSED)
+    assert n_live > 0 and n_cache > 0
+    last = None
+    for _ in range(25):
+        last = _run(r, wl, "pool_int8")
+        _run(r, wl, None)
+    assert live_int8() == n_live
+    assert len(mp._COMPRESSED) == n_cache
+    _same(host, first, last)
