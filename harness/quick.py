@@ -179,6 +179,16 @@ VARIANTS["pool_offload"] = _memory_pool(
 VARIANTS["pool_int8_offload+graph"] = _chain(
     VARIANTS["pool_int8_offload"], _fused_apply, VARIANTS["cuda_graph"]
 )
+# Every node in its exact mode (Memory Pool weights as loaded + idle models unloaded, Feature
+# Cache off, fused apply, graphs with concurrent ControlNets): must give stock's result.
+VARIANTS["exact_stack"] = _chain(
+    _memory_pool(
+        unet_weights="as loaded", controlnet_weights="as loaded", offload_idle_models=True
+    ),
+    _feature_cache(mode="off"),
+    _fused_apply,
+    VARIANTS["cuda_graph"],
+)
 # Everything at once: positive-only fused apply, Feature Cache every 3, graphs with channels_last.
 VARIANTS["stack_all"] = _chain(
     _feature_cache(mode="every_n", every_n=3, max_reuse=2),

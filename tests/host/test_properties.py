@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Property test: random combinations of our nodes, strengths, start/end ranges, 1–3 nets,
-sizes, batch, steps and seeds give stock ComfyUI's output (fp32 on the CPU: relative error
-≤ 1e-5, the fused merge's bound; the graph path alone is exact)."""
+"""Property test: random combinations of our nodes in their exact modes (graphs serial or
+concurrent, fused apply, Memory Pool with weights as loaded, Feature Cache off, all stacked),
+strengths, start/end ranges, 1–3 nets, sizes, batch, steps and seeds give stock ComfyUI's
+output (fp32 on the CPU: relative error ≤ 1e-5, the fused merge's bound; the graph path alone
+is exact)."""
 
 from __future__ import annotations
 
@@ -45,7 +47,9 @@ def shared_runner(host, tiny_models):
     batch=st.integers(1, 2),
     steps=st.integers(2, 6),
     seed=st.integers(0, 2**16),
-    variant=st.sampled_from(["cuda_graph", "fused", "fused+graph"]),
+    variant=st.sampled_from(
+        ["cuda_graph", "fused", "fused+graph", "fused+graph_serial", "pool_offload", "exact_stack"]
+    ),
 )
 def test_random_configurations_match_stock(
     host, shared_runner, nets, strength, window, size, batch, steps, seed, variant
