@@ -162,6 +162,14 @@ class CachedControlNet(FusedControlNet):
         data = {**c, "hit_rate": c["reused"] / total, "bytes": self.cache_bytes()}
         status.report(self.cna_cache_node_id, "feature_cache", lines, data)
 
+    def inference_memory_requirements(self, dtype):
+        """What sampling will need on top of the weights, for ComfyUI's loader (it frees this
+        much VRAM before loading): the buffers this network's stores hold or held (kept ones in
+        the pool, checked-out ones here; 0 before the first run; an upper bound when one network
+        is applied twice in a chain), plus the chain's own."""
+        own = sum(s.nbytes() for s in self._stores.values()) + self._pool().nbytes()
+        return own + super().inference_memory_requirements(dtype)
+
     def cache_bytes(self) -> int:
         return sum(s.nbytes() for s in self._stores.values())
 

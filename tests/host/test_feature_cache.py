@@ -156,6 +156,13 @@ def test_works_under_the_cuda_graph_node(host, tiny_models):
     again = _run(r, WL, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
     assert torch.equal(again.latent, graph.latent) or not host.cpu
     assert graph_mod.TOTALS["captures"] - before["captures"] == 0
+    # ComfyUI's loader is told what the kept buffers take (it frees that much VRAM first)
+    kept = [
+        o
+        for o in __import__("gc").get_objects()
+        if type(o) is _fc(host).CachedControlNet and o._pool().nbytes() > 0
+    ]
+    assert kept and all(o.inference_memory_requirements(torch.float32) > 0 for o in kept)
     # A stock prompt in between drops ComfyUI's cached node outputs, so the next run makes a
     # new Feature Cache object and new Apply copies (here with a new strength, too). They take
     # the buffers the graphs were captured with from the network's pool: still no capture, and
