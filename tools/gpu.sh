@@ -5,12 +5,15 @@
 #   bash tools/gpu.sh tests [pytest args]     host tests on the GPU
 #   bash tools/gpu.sh bench [benchmark args]  the quick benchmark, results under $OUT
 #   bash tools/gpu.sh kernels                 the kernel microbenchmark, results under $OUT
-# Next GPU session, in order (each fits one device call; predictions in docs/benchmarks.md,
-# "Not yet measured"):
-#   bash tools/gpu.sh tests -p no:cacheprovider -rs     (all host + kernel tests on the GPU)
+# Next GPU session, in order (each fits one device call; see docs/benchmarks.md, "Still not
+# measured", and the last closing note):
+#   bash tools/gpu.sh tests -p no:cacheprovider -q tests/host tests/memory tests/graphs -rfE
+#     (the badge instrumentation's GPU path, the final Memory Pool tests; then resolve #8)
 #   bash tools/gpu.sh bench --workloads W1,W2,W4 --rounds 3 --no-profile --decode \
-#     --variants stock,fused+graph,cuda_graph_cl,fused_positive_only+graph,cache_every3+graph
-#   bash tools/gpu.sh bench --workloads W0,W3,W5 --variants stock,cuda_graph,fused+graph
+#     --variants stock,fused+graph,cache_every3+graph,cache_every4+graph,stack_all_cc
+#     (the Feature Cache's whole-run mean after the store-pool fixes)
+#   bash tools/gpu.sh bench --workloads W0,W3 --variants stock,cuda_graph,fused,fused+graph \
+#     --cold-memory ; then W1 with compile_inductor,compile_cudagraphs (TorchCompileModel)
 set -uo pipefail
 OUT=${OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
