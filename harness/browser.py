@@ -40,6 +40,22 @@ def missing_requirements(comfy_root: Path | None) -> str | None:
     return None
 
 
+def example_models(tiny: dict[str, Path]) -> dict[str, Path]:
+    """The tiny random-weight models (``random_models.ensure_models`` paths) under the file
+    names the example workflows reference, for ``prepare_base``. SD1.5-layout stand-ins serve
+    the SDXL names too: the browser runs are about the front end, not the architecture."""
+    from . import examples
+
+    ck, a, b = tiny["sd15-tiny"], tiny["sd15-tiny-cn-a"], tiny["sd15-tiny-cn-b"]
+    return {
+        f"checkpoints/{examples.SD15_CKPT}": ck,
+        f"checkpoints/{examples.SDXL_CKPT}": ck,
+        f"controlnet/{examples.SD15_CANNY}": a,
+        f"controlnet/{examples.SDXL_CANNY}": a,
+        f"controlnet/{examples.SDXL_DEPTH}": b,
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -233,6 +249,11 @@ def run_template(driver, server: ComfyServer, name: str, steps: int = 2) -> tupl
     ok = driver.execute_async_script(LOAD_TEMPLATE, PACK_FOLDER, name)
     if ok is not True:
         raise RuntimeError(f"loading template {name}: {ok}")
+    broken = driver.execute_script(
+        "return window.app.graph._nodes.filter(n => !n.comfyClass).map(n => n.type)"
+    )
+    if broken:  # e.g. the front end's model-loader bug when a core node failed to import
+        raise RuntimeError(f"template {name}: the front end could not create {broken}")
     ours = driver.execute_script(
         "return window.app.graph._nodes"
         ".filter(n => n.type.startsWith('CNA_')).map(n => String(n.id))"

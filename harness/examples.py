@@ -22,14 +22,9 @@ POS = "a lighthouse on a cliff at sunset, dramatic sky, highly detailed photogra
 NEG = "blurry, low quality, watermark"
 
 
-def _graph(
-    ckpt: str,
-    nets: list[str],
-    size: int,
-    ksampler_graph: bool,
-    feature_cache: bool = False,
-    memory_pool: bool = False,
-) -> tuple[dict, dict]:
+def _builder():
+    """(prompt, titles, add): ``add(class_type, title=None, **inputs)`` appends a node and
+    returns its id."""
     p: dict = {}
     titles: dict = {}
 
@@ -40,9 +35,26 @@ def _graph(
             titles[nid] = title
         return nid
 
+    return p, titles, add
+
+
+def _checkpoint_and_prompts(add, ckpt: str) -> tuple[str, str, str]:
     ck = add("CheckpointLoaderSimple", ckpt_name=ckpt)
     pos = add("CLIPTextEncode", "Positive prompt", text=POS, clip=[ck, 1])
     neg = add("CLIPTextEncode", "Negative prompt", text=NEG, clip=[ck, 1])
+    return ck, pos, neg
+
+
+def _graph(
+    ckpt: str,
+    nets: list[str],
+    size: int,
+    ksampler_graph: bool,
+    feature_cache: bool = False,
+    memory_pool: bool = False,
+) -> tuple[dict, dict]:
+    p, titles, add = _builder()
+    ck, pos, neg = _checkpoint_and_prompts(add, ckpt)
     cp, cn_ = [pos, 0], [neg, 0]
     model = [ck, 0]
     for i, net in enumerate(nets):
@@ -106,19 +118,8 @@ def _side_by_side(ckpt: str, net: str, size: int) -> tuple[dict, dict]:
     """One prompt, one seed, two branches: stock *Apply ControlNet* + *KSampler (CUDA Graph)*
     with graphs off (it samples exactly as KSampler; its badge times the run), and the
     accelerated branch (*Apply ControlNet (Fused)* + graphs on). Both badges show ms/step."""
-    p: dict = {}
-    titles: dict = {}
-
-    def add(ct, title=None, **inputs):
-        nid = str(len(p) + 1)
-        p[nid] = {"class_type": ct, "inputs": inputs}
-        if title:
-            titles[nid] = title
-        return nid
-
-    ck = add("CheckpointLoaderSimple", ckpt_name=ckpt)
-    pos = add("CLIPTextEncode", "Positive prompt", text=POS, clip=[ck, 1])
-    neg = add("CLIPTextEncode", "Negative prompt", text=NEG, clip=[ck, 1])
+    p, titles, add = _builder()
+    ck, pos, neg = _checkpoint_and_prompts(add, ckpt)
     loader = add("ControlNetLoader", control_net_name=net)
     img = add("LoadImage", "Control image (edge map)", image="example.png")
     lat = add("EmptyLatentImage", width=size, height=size, batch_size=1)

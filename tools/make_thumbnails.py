@@ -47,14 +47,7 @@ def main() -> int:
 
     inp = Path(folder_paths.get_input_directory())
     hint = inp / wf.write_hint_images(str(inp), wf.WORKLOADS["T1"])[0]
-    models = {
-        f"checkpoints/{examples.SD15_CKPT}": paths["sd15-tiny"],
-        f"checkpoints/{examples.SDXL_CKPT}": paths["sd15-tiny"],
-        f"controlnet/{examples.SD15_CANNY}": paths["sd15-tiny-cn-a"],
-        f"controlnet/{examples.SDXL_CANNY}": paths["sd15-tiny-cn-a"],
-        f"controlnet/{examples.SDXL_DEPTH}": paths["sd15-tiny-cn-b"],
-    }
-    base = browser.prepare_base(tmp / "base", ROOT, models, hint)
+    base = browser.prepare_base(tmp / "base", ROOT, browser.example_models(paths), hint)
     with browser.ComfyServer(host.root, base) as srv:
         d = browser.chrome(tmp / "chromium", width=1700, height=1500)
         try:

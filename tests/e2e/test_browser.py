@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -39,23 +38,6 @@ ARTIFACTS = Path(os.environ.get("CNA_TEST_ARTIFACTS", ROOT / "test-artifacts")) 
 SETTING = "ControlNetAccelerator.ShowBadges"
 
 
-def _models(tiny_models) -> dict:
-    """The tiny models under the file names the examples reference (SD1.5-layout stand-ins for
-    the SDXL ones too: the browser test is about the front end, not the architecture)."""
-    ck, a, b = (
-        tiny_models["sd15-tiny"],
-        tiny_models["sd15-tiny-cn-a"],
-        tiny_models["sd15-tiny-cn-b"],
-    )
-    return {
-        f"checkpoints/{examples.SD15_CKPT}": ck,
-        f"checkpoints/{examples.SDXL_CKPT}": ck,
-        f"controlnet/{examples.SD15_CANNY}": a,
-        f"controlnet/{examples.SDXL_CANNY}": a,
-        f"controlnet/{examples.SDXL_DEPTH}": b,
-    }
-
-
 @pytest.fixture(scope="module")
 def server(host, tiny_models, tmp_path_factory):
     if WHY_NOT is not None:
@@ -65,7 +47,7 @@ def server(host, tiny_models, tmp_path_factory):
     inp = Path(folder_paths.get_input_directory())
     hint = inp / wf.write_hint_images(str(inp), wf.WORKLOADS["T1"])[0]
     base = browser.prepare_base(
-        tmp_path_factory.mktemp("comfy_base"), ROOT, _models(tiny_models), hint
+        tmp_path_factory.mktemp("comfy_base"), ROOT, browser.example_models(tiny_models), hint
     )
     with browser.ComfyServer(COMFY_ROOT, base) as srv:
         yield srv
@@ -93,24 +75,10 @@ def _shot(driver, name: str) -> Path:
 def test_example_loads_from_templates_runs_and_shows_badges(server, page, name):
     listed = server.get("/workflow_templates").get(browser.PACK_FOLDER, [])
     assert name in listed, f"ComfyUI does not list {name} under {browser.PACK_FOLDER}: {listed}"
-    ok = page.execute_async_script(browser.LOAD_TEMPLATE, browser.PACK_FOLDER, name)
-    assert ok is True, ok
-    broken = page.execute_script(
-        "return window.app.graph._nodes.filter(n => !n.comfyClass).map(n => n.type)"
-    )
-    assert broken == [], f"nodes the front end could not create: {broken}"
-    ours = page.execute_script(
-        "return window.app.graph._nodes"
-        ".filter(n => n.type.startsWith('CNA_')).map(n => String(n.id))"
-    )
-    assert ours, "the example has none of the pack's nodes"
-    page.execute_script("for (const k in window.cnaBadges) delete window.cnaBadges[k]")
-    assert page.execute_script(browser.SHRINK, 2) >= 3
     out_dir = server.base / "output"
     before_files = set(out_dir.glob("*.png")) if out_dir.exists() else set()
-    before = set(server.get("/history"))
-    page.execute_async_script(browser.QUEUE)
-    entry = browser.wait_idle_and_result(server, before, timeout=300)
+    entry, ours = browser.run_template(page, server, name, steps=2)
+    assert ours, "the example has none of the pack's nodes"
     images = [i for o in entry["outputs"].values() for i in o.get("images", [])]
     assert images, f"no image output: {entry['outputs']}"
     new_files = set(out_dir.glob("*.png")) - before_files
@@ -126,11 +94,7 @@ def test_example_loads_from_templates_runs_and_shows_badges(server, page, name):
     for nid in ours:
         text = " ".join(badges[nid]["lines"])
         assert any(ch.isdigit() for ch in text), (nid, badges[nid])
-    page.execute_script(
-        "const c = window.app.canvas; c.ds.scale = 0.8; c.ds.offset = [20, 20];"
-        " window.app.graph.setDirtyCanvas(true, true)"
-    )
-    time.sleep(0.5)
+    browser.frame(page, 0.8)
     assert _shot(page, name).stat().st_size > 10_000
 
 
