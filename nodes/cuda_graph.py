@@ -327,7 +327,7 @@ class CudaGraphPatch:
             if unexpected:
                 data["eager_reasons"] = unexpected
                 lines.append("eager: " + status.short(unexpected[0]))
-            if torch.cuda.is_available():
+            if timing:  # the model ran on the GPU (a --cpu run on a GPU machine has none)
                 data["peak_allocated"] = torch.cuda.max_memory_allocated()
                 lines.append(f"peak VRAM {status.mib(data['peak_allocated'])}")
             status.report(self.node_id, "cuda_graph", lines, data)
