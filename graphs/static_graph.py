@@ -238,6 +238,7 @@ class GraphCache:
         cur.wait_stream(side)
         torch.cuda.synchronize()
         gc.collect()
+        _clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             try:
@@ -365,6 +366,23 @@ def _end_failed_capture(graph, tb) -> None:
         torch.cuda.synchronize()
     except Exception as e:  # a sticky CUDA error cannot be mended here; say so once
         logger.error("CUDA reported an error after a failed graph capture: %s", e)
+
+
+def _clear_cublas_workspaces() -> None:
+    """Drop PyTorch's cached cuBLAS/cuBLASLt workspaces just before a capture.
+
+    The warm-up ran outside the capture, so the workspace cuBLAS uses on the capture streams
+    was allocated from the ordinary allocator, and the graph would bake in its address. Anyone
+    may free it later: torch.compile's CUDA graphs (TorchCompileModel, backend "cudagraphs")
+    clear all cuBLAS workspaces around each recording, after which ComfyUI's empty_cache hands
+    the memory back or reuses it. Our next replay then read unmapped memory ("unspecified launch
+    failure" on the H200, 2026-11-30, native allocator: fused+graph after a TorchCompileModel
+    run). Cleared here, the workspace is allocated inside the capture, from our graph pool,
+    which stays mapped while any of our graphs lives. PyTorch's own graph trees do the same.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
 
 
 def _release(entry: GraphEntry) -> None:

@@ -7,6 +7,9 @@ The emulate backend runs everywhere (CI); the ``cuda`` tests capture real graphs
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,3 +184,52 @@ def test_after_a_failed_capture_under_cuda_malloc_async_no_capture_is_tried(monk
     assert sg._ASYNC_BROKEN and "restart ComfyUI" in sg._ASYNC_BROKEN[0]
     assert torch.equal(cache.run("b", lambda x: x * 2, [torch.ones(2)]), torch.full((2,), 2.0))
     assert "cudaMallocAsync" in cache.failed["b"] and "b" not in cache.entries
+
+
+_CUBLAS_CHILD = "CNA_CUBLAS_CHILD"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.skipif(
+    os.environ.get("CNA_ALLOCATOR_CHILD") == "1", reason="the allocator runs do not nest this"
+)
+@pytest.mark.parametrize("allocator", ["native", "cudaMallocAsync"])
+def test_graph_survives_cublas_workspaces_cleared_by_someone_else(allocator):
+    """torch.compile's CUDA graphs (ComfyUI's TorchCompileModel, backend "cudagraphs") clear
+    every cached cuBLAS workspace; ComfyUI then empties the cache. A graph of ours that baked in
+    a workspace from outside its pool then reads unmapped memory on replay: a sticky CUDA error
+    that ends the process (seen on the H200). So the case runs in a child process."""
+    if os.environ.get(_CUBLAS_CHILD) == "1":
+        if torch.cuda.memory.get_allocator_backend() != allocator:
+            pytest.skip(f"this child runs {torch.cuda.memory.get_allocator_backend()}")
+        torch.manual_seed(0)
+        w = torch.randn(1280, 1280, device="cuda", dtype=torch.float16) / 36
+
+        def fn(x):
+            for _ in range(4):
+                x = torch.nn.functional.linear(x, w)  # cuBLASLt GEMMs, which use a workspace
+            return x
+
+        cache = GraphCache("t", backend="cuda")
+        x = torch.randn(4096, 1280, device="cuda", dtype=torch.float16)
+        cache.run("a", fn, [x])
+        cache.clear()  # an earlier pool, as after models were unloaded
+        ref = fn(x)
+        cache.run("b", fn, [x])  # captured into a fresh pool
+        torch._C._cuda_clearCublasWorkspaces()  # what torch.compile's graph trees do
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # what ComfyUI does between and inside runs
+        junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(64)]
+        out = cache.run("b", fn, [x])
+        torch.cuda.synchronize()
+        del junk
+        assert cache.lookup("b").replays == 1
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+        return
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"backend:{allocator}", **{_CUBLAS_CHILD: "1"})
+    name = f"{__file__}::test_graph_survives_cublas_workspaces_cleared_by_someone_else[{allocator}]"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
+    assert out.returncode == 0 and " passed" in out.stdout, f"rc={out.returncode}\n{tail}"
