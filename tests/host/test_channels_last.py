@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """Channels-last weights during sampling (the CUDA Graph node's experimental option).
 
-On the CPU (fp32) the convolutions may pick another algorithm for the other layout, so we
-require relative L2 ≤ 1e-5 against the same graph without it; the weights must come back with
-the same values, layout and storage after every run, interrupted runs included.
+The convolutions may pick another algorithm for the other layout. On the CPU (fp32) we require
+relative L2 ≤ 1e-5 against the same graph without it; on a GPU (fp16, where cuDNN's NHWC
+kernels round differently) the latent PSNR must be ≥ 45 dB, the fp16 bound of the other parity
+tests (the H200 gave 0.24% relative L2 there, about 52 dB). The weights must come back with the
+same values, layout and storage after every run, interrupted runs included.
 """
 
 from __future__ import annotations
@@ -73,8 +75,11 @@ def test_channels_last_matches_and_puts_the_weights_back(host, tiny_models):
     before = _conv_weights()
     assert before and all(c for *_, c in before)
     cl = _run(r, WL, 21, VARIANTS["cuda_graph_cl"])
-    rel = (cl.latent.double() - plain.latent.double()).norm() / plain.latent.double().norm()
-    assert rel.item() <= 1e-5, rel.item()
+    if host.cpu:
+        rel = (cl.latent.double() - plain.latent.double()).norm() / plain.latent.double().norm()
+        assert rel.item() <= 1e-5, rel.item()
+    else:
+        assert runner.psnr(plain.latent, cl.latent) >= 45.0
     after = {id(w): (p, s, c) for w, p, s, c in _conv_weights()}
     for w, p, s, c in before:
         if id(w) in after:
