@@ -359,16 +359,36 @@ def run_workload(
 
     prime = run("stock", 1000)
     prog.step(f"{wid} primed (load + encode) in {prime.wall_s:.1f}s")
+    variants = list(variants)
+    # A variant whose prompt equals an earlier one's on this workload (positive-only without a
+    # ControlNet, say) would be answered from ComfyUI's output cache without sampling.
+    seen: dict[str, str] = {}
+    for v in list(variants):
+        p, _ = workflows.build_prompt(wl, 1001, hints, VARIANTS[v])
+        key = json.dumps(p, sort_keys=True)
+        if key in seen:
+            _not_run(wid, v, f"same prompt as {seen[key]} on this workload", variants, prog)
+        else:
+            seen[key] = v
     first: dict[str, float] = {}
-    for v in variants:
-        first[v] = run(v, 1001).wall_s
+    for v in list(variants):
+        try:
+            first[v] = run(v, 1001).wall_s
+        except runner.WorkflowFailed as e:
+            _not_run(wid, v, f"failed: {e}", variants, prog)
+            continue
         prog.step(f"{wid} {v} first run {first[v]:.2f}s")
     per_run: dict[str, list] = {v: [] for v in variants}
     for k in range(rounds):
         stock_latent = stock_image = None
-        for v in variants:
+        for v in list(variants):
             c0 = _cache_totals()
-            res = run(v, 2000 + k)
+            try:
+                res = run(v, 2000 + k)
+            except runner.WorkflowFailed as e:
+                _not_run(wid, v, f"failed in round {k + 1}: {e}", variants, prog)
+                per_run.pop(v)
+                continue
             c1 = _cache_totals()
             if c0 is not None and c1 is not None:
                 res.extra["cache_calls"] = {key: c1[key] - c0[key] for key in c1}
@@ -490,6 +510,18 @@ def run_workload(
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
     return rows
+
+
+# Variants that did not run, per workload, with the reason: written beside the rows.
+NOT_RUN: list[dict] = []
+
+
+def _not_run(wid: str, v: str, why: str, variants: list[str], prog) -> None:
+    if v == "stock":
+        raise RuntimeError(f"{wid}: stock ComfyUI did not run: {why}")
+    variants.remove(v)
+    NOT_RUN.append({"workload": wid, "variant": v, "why": why[:600]})
+    prog.note(f"{wid} {v} not run: {why[:300]}")
 
 
 def _cold_reset() -> None:
@@ -697,15 +729,21 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": a.rounds,
             "partial": True,
             "rows": [asdict(r) for r in rows],
+            "not_run": NOT_RUN,
         }
         (out / f"quick-{stamp}.json").write_text(json.dumps(partial, indent=1))
     prog.close()
     text = table(rows, wl_info) + cold_table(rows, wl_info)
+    if NOT_RUN:
+        text += "\n\nNot run:\n" + "\n".join(
+            f"- {n['workload']} {n['variant']}: {n['why'][:300]}" for n in NOT_RUN
+        )
     payload = {
         "environment": env,
         "workloads": wl_info,
         "rounds": a.rounds,
         "rows": [asdict(r) for r in rows],
+        "not_run": NOT_RUN,
     }
     (out / f"quick-{stamp}.json").write_text(json.dumps(payload, indent=1))
     (out / f"quick-{stamp}.md").write_text(f"Environment: {json.dumps(env)}\n\n{text}\n")
