@@ -243,6 +243,34 @@ def cases(kernels, reps: int, dev: str = "cuda"):
         yield _row("dequant_add_", arch, len(slots), traffic, err, torch_deq, cna_deq, reps)
         del xs, hidden, h2, qs
 
+    # b2. INT8 weight rows expanded to fp16 for one layer call (the Memory Pool's weights):
+    # the largest SD1.5 / SDXL conv and linear weights, against PyTorch's cast-and-scale.
+    for arch, wshapes in (
+        ("sd15", ((1280, 1280, 3, 3), (10240, 1280), (320, 320))),
+        ("sdxl", ((1280, 2560, 3, 3), (10240, 1280), (640, 2048))),
+    ):
+        for wshape in wshapes:
+            w = rnd(wshape)
+            rows = w.reshape(wshape[0], -1).float()
+            scale = (rows.abs().amax(1) / 127.0).clamp_min(1e-12)
+            sshape = (wshape[0],) + (1,) * (len(wshape) - 1)
+            q = torch.round(w.float() / scale.view(sshape)).clamp_(-127, 127).to(torch.int8)
+            scale = scale.view(sshape).contiguous()
+            ref = (q.float() * scale).to(dt_)
+            err = _rel([kernels.dequant_rows(q, scale, dt_)], [ref])
+            traffic = q.numel() * 3 + scale.numel() * 4
+            yield _row(
+                f"dequant_rows {'x'.join(map(str, wshape))}",
+                arch,
+                1,
+                traffic,
+                err,
+                lambda q=q, scale=scale: q.to(dt_) * scale.to(dt_),
+                lambda q=q, scale=scale: kernels.dequant_rows(q, scale, dt_),
+                reps,
+            )
+            del w, q
+
     # c. GroupNorm(32) + SiLU, one shape at a time.
     for arch, shapes in (("sd15", SD15_GN), ("sdxl", SDXL_GN)):
         for shape in shapes:
