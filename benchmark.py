@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """The quick benchmark, in one command: ``python benchmark.py`` (``--help`` for options);
-``python benchmark.py --kernels`` runs the kernel microbenchmark instead (GPU only).
+``python benchmark.py --kernels`` runs the kernel microbenchmark instead (GPU only);
+``python benchmark.py --soak`` the soak run through real ComfyUI servers (harness/soak.py).
 
 This file runs as a script, never imported by ComfyUI. The pack root must not stay on sys.path
 (its ``nodes/`` would shadow ComfyUI's ``nodes`` module), so the pack is imported by file path
@@ -25,6 +26,10 @@ if __name__ == "__main__":
         from comfyui_controlnet_accelerator.harness.kernel_bench import main
 
         sys.exit(main([a for a in sys.argv[1:] if a != "--kernels"]))
+    if "--soak" in sys.argv[1:]:  # the soak run through real ComfyUI servers
+        from comfyui_controlnet_accelerator.harness.soak import main
+
+        sys.exit(main([a for a in sys.argv[1:] if a != "--soak"]))
     from comfyui_controlnet_accelerator.harness.quick import main
 
     sys.exit(main())

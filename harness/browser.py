@@ -88,8 +88,17 @@ def prepare_base(base: Path, pack_root: Path, models: dict[str, Path], image: Pa
 class ComfyServer:
     """``python main.py --cpu`` (or on the GPU) as a child process; ``url`` once it answers."""
 
-    def __init__(self, comfy_root: Path, base: Path, *, cpu: bool = True, env: dict | None = None):
+    def __init__(
+        self,
+        comfy_root: Path,
+        base: Path,
+        *,
+        cpu: bool = True,
+        env: dict | None = None,
+        args: list[str] | tuple[str, ...] = (),
+    ):
         self.comfy_root, self.base, self.cpu = Path(comfy_root), Path(base), cpu
+        self.args = list(args)  # more main.py arguments, e.g. ["--cuda-device", "1"]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.base / "server.log"
@@ -97,17 +106,21 @@ class ComfyServer:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ComfyServer:
-        cmd = [
-            sys.executable,
-            "main.py",
-            "--listen",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--base-directory",
-            str(self.base),
-            "--disable-auto-launch",
-        ] + (["--cpu"] if self.cpu else [])
+        cmd = (
+            [
+                sys.executable,
+                "main.py",
+                "--listen",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--base-directory",
+                str(self.base),
+                "--disable-auto-launch",
+            ]
+            + (["--cpu"] if self.cpu else [])
+            + self.args
+        )
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in __exit__
         self.proc = subprocess.Popen(
             cmd, cwd=self.comfy_root, stdout=self._log, stderr=subprocess.STDOUT, env=self.env

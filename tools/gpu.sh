@@ -31,5 +31,6 @@ case "$what" in
   tests) CNA_TEST_GPU=1 python3 -m pytest -q "$@" ;;
   bench) python3 benchmark.py --out "$OUT" "$@" ;;
   kernels) python3 benchmark.py --kernels --out "$OUT" "$@" ;;
-  *) echo "usage: tools/gpu.sh tests|bench|kernels [args]" >&2; exit 2 ;;
+  soak) python3 benchmark.py --soak --out "$OUT" "$@" ;;
+  *) echo "usage: tools/gpu.sh tests|bench|kernels|soak [args]" >&2; exit 2 ;;
 esac
