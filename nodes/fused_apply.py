@@ -362,15 +362,23 @@ NODE = "Apply ControlNet (Fused)"
 _FAMILY = {768: "SD1.5", 1024: "SD2.x", 2048: "SDXL", 1280: "SDXL refiner"}
 
 
-def _context_width(control_net) -> int | None:
-    """The text-conditioning width the ControlNet's cross-attention expects, if it has one."""
-    model = getattr(control_net, "control_model", None)
-    if model is None:
+def context_width(module) -> int | None:
+    """The text-conditioning width a UNet's or ControlNet's cross-attention expects, if any."""
+    if not isinstance(module, torch.nn.Module):
         return None
-    for name, mod in model.named_modules():
+    for name, mod in module.named_modules():
         if name.endswith("attn2.to_k") and hasattr(mod, "in_features"):
             return int(mod.in_features)
     return None
+
+
+def family(width: int) -> str:
+    """The model family of a text-conditioning width, for error messages."""
+    return _FAMILY.get(width, f"{width}-wide")
+
+
+def _context_width(control_net) -> int | None:
+    return context_width(getattr(control_net, "control_model", None))
 
 
 def _hint_channels(control_net) -> int | None:
@@ -441,9 +449,8 @@ def validate_inputs(
                 raise NodeInputError(
                     NODE,
                     "control_net",
-                    f"is a {_FAMILY.get(want_ctx, str(want_ctx) + '-wide')} ControlNet (text "
-                    f"conditioning {want_ctx} wide) but '{cname}' comes from a "
-                    f"{_FAMILY.get(got, str(got) + '-wide')} model ({got} wide)",
+                    f"is a {family(want_ctx)} ControlNet (text conditioning {want_ctx} wide) "
+                    f"but '{cname}' comes from a {family(got)} model ({got} wide)",
                     "Load a ControlNet made for your checkpoint's model family.",
                 )
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..errors import NodeInputError
 from .cuda_graph import GraphOptions, apply_cuda_graph
+from .fused_apply import context_width, family
 from .status import node_id_of
 
 CATEGORY = "ControlNet Accelerator/sampling"
@@ -42,9 +44,18 @@ _CC_TIP = (
 )
 
 
+MAX_GRAPHS = (1, 64)
+
+
 def _options(
-    enabled: bool, max_graphs: int, verify: bool, channels_last: bool, concurrent: bool
+    node: str, enabled: bool, max_graphs: int, verify: bool, channels_last: bool, concurrent: bool
 ) -> GraphOptions:
+    lo, hi = MAX_GRAPHS
+    ok = isinstance(max_graphs, int) and not isinstance(max_graphs, bool)
+    if not ok or not lo <= max_graphs <= hi:  # a linked value skips ComfyUI's widget check
+        raise NodeInputError(
+            node, "max_graphs", f"is {max_graphs!r}, outside {lo}–{hi}", f"Use {lo} to {hi}."
+        )
     return GraphOptions(
         enabled=enabled,
         max_graphs=max_graphs,
@@ -57,7 +68,14 @@ def _options(
 def _graph_inputs() -> list:
     return [
         io.Boolean.Input("enabled", default=True, tooltip=_ENABLE_TIP),
-        io.Int.Input("max_graphs", default=8, min=1, max=64, step=1, tooltip=_MAX_TIP),
+        io.Int.Input(
+            "max_graphs",
+            default=8,
+            min=MAX_GRAPHS[0],
+            max=MAX_GRAPHS[1],
+            step=1,
+            tooltip=_MAX_TIP,
+        ),
         io.Boolean.Input("verify", default=False, tooltip=_VERIFY_TIP),
         io.Boolean.Input("channels_last", default=False, optional=True, tooltip=_CL_TIP),
         io.Boolean.Input("concurrent_controlnet", default=True, optional=True, tooltip=_CC_TIP),
@@ -99,7 +117,9 @@ class CUDAGraphModel(io.ComfyNode):
     ) -> io.NodeOutput:
         if not enabled:
             return io.NodeOutput(model)
-        opts = _options(enabled, max_graphs, verify, channels_last, concurrent_controlnet)
+        opts = _options(
+            "CUDA Graph", enabled, max_graphs, verify, channels_last, concurrent_controlnet
+        )
         return io.NodeOutput(apply_cuda_graph(model, opts, node_id=node_id_of(cls)))
 
 
@@ -192,10 +212,13 @@ class KSamplerCUDAGraph(io.ComfyNode):
         import nodes
 
         node_id = node_id_of(cls)
+        check_control_family(KSAMPLER, model, positive=positive, negative=negative)
         if enabled or node_id is not None:
             # disabled, it samples exactly as KSampler does and only times the run for its
             # badge (a stock baseline beside an accelerated branch in one workflow)
-            opts = _options(enabled, max_graphs, verify, channels_last, concurrent_controlnet)
+            opts = _options(
+                KSAMPLER, enabled, max_graphs, verify, channels_last, concurrent_controlnet
+            )
             model = apply_cuda_graph(model, opts, node_id=node_id)
         (latent,) = nodes.common_ksampler(
             model,
@@ -210,6 +233,34 @@ class KSamplerCUDAGraph(io.ComfyNode):
             denoise=denoise,
         )
         return io.NodeOutput(latent)
+
+
+KSAMPLER = "KSampler (CUDA Graph)"
+
+
+def check_control_family(node: str, model, **conds) -> None:
+    """Every ControlNet applied to the conditioning must fit the model's text width (an SDXL
+    ControlNet on an SD1.5 model would otherwise fail deep inside the first step)."""
+    want = context_width(getattr(getattr(model, "model", None), "diffusion_model", None))
+    if want is None:
+        return
+    seen: set[int] = set()
+    for name, cond in conds.items():
+        for entry in cond or []:
+            c = entry[1].get("control") if len(entry) > 1 and isinstance(entry[1], dict) else None
+            while c is not None and id(c) not in seen:
+                seen.add(id(c))
+                got = context_width(getattr(c, "control_model", None))
+                if got is not None and got != want:
+                    raise NodeInputError(
+                        node,
+                        name,
+                        f"carries a {family(got)} ControlNet (text conditioning {got} wide) but "
+                        f"'model' is a {family(want)} model ({want} wide)",
+                        "Load a ControlNet made for your checkpoint's model family in the "
+                        "Apply ControlNet node.",
+                    )
+                c = getattr(c, "previous_controlnet", None)
 
 
 NODES = [CUDAGraphModel, KSamplerCUDAGraph]

@@ -6,12 +6,22 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from ..errors import NodeInputError
 from ..memory.feature_cache import MODES, STORAGES, CacheConfig
 from .feature_cache import apply_cache
 from .status import node_id_of
 
 CATEGORY = "ControlNet Accelerator/loaders"
+NODE = "ControlNet Feature Cache"
 _D = CacheConfig()  # the defaults live in one place
+# min, max of each number input: the widgets' limits, and the check of linked values in execute
+RANGES = {
+    "threshold": (0.0, 2.0),
+    "every_n": (1, 10),
+    "max_reuse": (0, 10),
+    "reuse_start": (0.0, 1.0),
+    "reuse_end": (0.0, 1.0),
+}
 
 
 class ControlNetFeatureCache(io.ComfyNode):
@@ -40,8 +50,8 @@ class ControlNetFeatureCache(io.ComfyNode):
                 io.Float.Input(
                     "threshold",
                     default=_D.threshold,
-                    min=0.0,
-                    max=2.0,
+                    min=RANGES["threshold"][0],
+                    max=RANGES["threshold"][1],
                     step=0.01,
                     tooltip="adaptive: the change in the ControlNet's input (relative) it "
                     "tolerates before running again. Lower = closer to uncached, slower; 0 "
@@ -50,16 +60,16 @@ class ControlNetFeatureCache(io.ComfyNode):
                 io.Int.Input(
                     "every_n",
                     default=_D.every_n,
-                    min=1,
-                    max=10,
+                    min=RANGES["every_n"][0],
+                    max=RANGES["every_n"][1],
                     tooltip="every_n: run the ControlNet on every n-th step, reuse between. 1 "
                     "never reuses.",
                 ),
                 io.Int.Input(
                     "max_reuse",
                     default=_D.max_reuse,
-                    min=0,
-                    max=10,
+                    min=RANGES["max_reuse"][0],
+                    max=RANGES["max_reuse"][1],
                     tooltip="At most this many reused steps in a row. 0 turns the cache off.",
                 ),
                 io.Combo.Input(
@@ -72,8 +82,8 @@ class ControlNetFeatureCache(io.ComfyNode):
                 io.Float.Input(
                     "reuse_start",
                     default=_D.reuse_start,
-                    min=0.0,
-                    max=1.0,
+                    min=RANGES["reuse_start"][0],
+                    max=RANGES["reuse_start"][1],
                     step=0.01,
                     tooltip="Reuse allowed from this fraction of the run (the first step is "
                     "always computed).",
@@ -81,8 +91,8 @@ class ControlNetFeatureCache(io.ComfyNode):
                 io.Float.Input(
                     "reuse_end",
                     default=_D.reuse_end,
-                    min=0.0,
-                    max=1.0,
+                    min=RANGES["reuse_end"][0],
+                    max=RANGES["reuse_end"][1],
                     step=0.01,
                     tooltip="Reuse allowed up to this fraction of the run (the last step is "
                     "always computed).",
@@ -117,6 +127,15 @@ class ControlNetFeatureCache(io.ComfyNode):
         reuse_start=_D.reuse_start,
         reuse_end=_D.reuse_end,
     ) -> io.NodeOutput:
+        check_inputs(
+            mode=mode,
+            storage=storage,
+            threshold=threshold,
+            every_n=every_n,
+            max_reuse=max_reuse,
+            reuse_start=reuse_start,
+            reuse_end=reuse_end,
+        )
         cfg = CacheConfig(
             mode=mode,
             every_n=every_n,
@@ -127,6 +146,33 @@ class ControlNetFeatureCache(io.ComfyNode):
             reuse_end=reuse_end,
         )
         return io.NodeOutput(apply_cache(control_net, cfg, node_id=node_id_of(cls)))
+
+
+def check_inputs(**values) -> None:
+    """Values that reach ``execute`` through links skip ComfyUI's widget checks (and
+    ``validate_inputs`` sees only widget values): refuse them here with the input's name."""
+    for name, options in (("mode", MODES), ("storage", STORAGES)):
+        if values[name] not in options:
+            raise NodeInputError(
+                NODE, name, f"is {values[name]!r}", f"Choose one of {', '.join(options)}."
+            )
+    for name, (lo, hi) in RANGES.items():
+        v = values[name]
+        whole = isinstance(lo, int)  # an INT input
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+            problem = f"is {v!r}, outside {lo}–{hi}"
+        elif whole and v != int(v):
+            problem = f"is {v!r}, not a whole number"
+        else:
+            continue
+        raise NodeInputError(NODE, name, problem, f"Use a value from {lo} to {hi}.")
+    if values["reuse_start"] > values["reuse_end"]:
+        raise NodeInputError(
+            NODE,
+            "reuse_start",
+            f"({values['reuse_start']}) is after reuse_end ({values['reuse_end']})",
+            "Set reuse_start to at most reuse_end.",
+        )
 
 
 NODES = [ControlNetFeatureCache]
