@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class ControlNetAcceleratorError(RuntimeError):
     """Root of every error the pack raises on purpose."""
@@ -14,3 +16,20 @@ class NodeInputError(ControlNetAcceleratorError, ValueError):
     def __init__(self, node: str, input_name: str, problem: str, fix: str):
         self.node, self.input_name, self.problem, self.fix = node, input_name, problem, fix
         super().__init__(f"{node}: input '{input_name}' {problem}. {fix}")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True when ``exc``, or an exception it was raised from, is an allocation failure: CUDA's
+    ``torch.OutOfMemoryError``, or the CPU allocator's RuntimeError. Wrappers such as the graph
+    cache's ``CaptureFailed`` keep the original only in their message, so that is read too."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 8:
+        if isinstance(e, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)):
+            return True
+        text = str(e)
+        if "OutOfMemoryError" in text or "out of memory" in text or "can't allocate memory" in text:
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False

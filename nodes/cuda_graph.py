@@ -23,6 +23,7 @@ the graph with or without that ControlNet, so inactive steps skip its compute as
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -32,7 +33,8 @@ from typing import Any
 
 import torch
 
-from ..graphs import GraphCache, backend_name
+from ..errors import is_out_of_memory
+from ..graphs import CaptureFailed, GraphCache, backend_name
 from ..logger import logger
 from . import status
 from .channels_last import LayoutSwap
@@ -649,6 +651,7 @@ class CudaGraphPatch:
             e.extras["strength_val"] = [float(cn.strength) for cn in plan.chain]
             cur_extras.update(e.extras)
 
+        failure = None
         try:
             entry, out = cache.capture(
                 plan.key,
@@ -660,8 +663,17 @@ class CudaGraphPatch:
                 device=x.device,
             )
         except Exception as e:
-            cache.mark_failed(plan.key, str(e) if e.args else type(e).__name__)
+            # CaptureFailed says where it failed; anything else (static buffers) says what
+            why = str(e) if isinstance(e, CaptureFailed) else f"{type(e).__name__}: {e}"
+            failure = (why, is_out_of_memory(e))
+        if failure is not None:
+            # Out of the except block: the exception's frames hold the failed capture's
+            # buffers, and the eager step must not run while they are still alive.
+            reason, oom = failure
+            cache.mark_failed(plan.key, reason)
             st.count("failed")
+            if oom:  # the eager step needs memory now: give back what our graphs hold
+                _release_after_oom(cache, reason)
             return _eager_from(call, executor, x, t, c_concat, c_crossattn, topts, kwargs)
         st.count("captures")
         logger.info(
@@ -675,6 +687,25 @@ class CudaGraphPatch:
             "" if all(plan.active) else f", active {plan.active}",
         )
         return out
+
+
+def _release_after_oom(cache: GraphCache, reason: str) -> None:
+    """Out of memory while capturing (or allocating a graph's static buffers): drop this
+    model's other graphs too, so their memory pool goes back to the allocator, and hand the
+    cached blocks to the driver. The step and later ones run eager (the reason is kept in
+    ``cache.failed``); signatures that did capture are captured again when memory allows."""
+    n = len(cache.entries)
+    cache.evict(lambda e: True, f"out of memory during capture ({status.short(reason, 120)})")
+    TOTALS["released"] += n
+    gc.collect()
+    try:
+        import comfy.model_management as mm
+
+        mm.soft_empty_cache()
+    except Exception as e:  # without ComfyUI (tools): torch's own cache release
+        logger.debug("CUDA Graph: soft_empty_cache unavailable (%s)", e)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 @dataclass
