@@ -24,11 +24,13 @@ with the store's buffer generation.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 
 import torch
 
+from ..errors import is_out_of_memory
 from ..logger import logger
 from ..memory.feature_cache import (
     CacheConfig,
@@ -82,15 +84,26 @@ class _CachingModel:
         store = owner._stores.get(slot)
         key = owner._input_key(x)
         if reuse:
-            _count("reused")
-            return store.get()
+            try:
+                got = store.get()
+                _count("reused")
+                return got
+            except Exception as e:
+                if not is_out_of_memory(e) or owner.cna_graph_mode:
+                    raise  # inside a capture the graph glue handles it (eager step, retried)
+                owner._give_up(e)  # and compute this step instead
         out = real(x=x, hint=hint, timesteps=timesteps, context=context, **extra)
         if owner.cna_cache_cfg.enabled:
-            if store is None:
-                store = owner._stores[slot] = owner._pool(real).take(out)
-            store.put(out)
-            if not owner.cna_graph_mode:  # inside a graph the hint is the glue's buffer: the
-                owner._keys[slot] = key  # host recorded the real key in cna_cache_plan
+            try:
+                if store is None:
+                    store = owner._stores[slot] = owner._pool(real).take(out)
+                store.put(out)
+                if not owner.cna_graph_mode:  # inside a graph the hint is the glue's buffer:
+                    owner._keys[slot] = key  # the host recorded the real key in cna_cache_plan
+            except Exception as e:
+                if not is_out_of_memory(e) or owner.cna_graph_mode:
+                    raise
+                owner._give_up(e)
         _count("computed")
         return out
 
@@ -110,6 +123,8 @@ class CachedControlNet(FusedControlNet):
         self._run_counts = {"computed": 0, "reused": 0}  # steps, for the node's badge
         self._schedule: tuple | None = None  # (the run's sigmas tensor, its values as floats)
         self.cna_graph_pinned = False
+        self._cfg_saved: CacheConfig | None = None  # the node's settings while given up (OOM)
+        self.cna_cache_off_reason: str | None = None
 
     @classmethod
     def from_controlnet(cls, cn, cfg: CacheConfig | None = None) -> CachedControlNet:
@@ -120,10 +135,12 @@ class CachedControlNet(FusedControlNet):
         return c
 
     def copy(self) -> CachedControlNet:
-        return CachedControlNet.from_controlnet(self, self.cna_cache_cfg)
+        return CachedControlNet.from_controlnet(self, self._cfg_saved or self.cna_cache_cfg)
 
     def pre_run(self, model, percent_to_timestep_function):
         super().pre_run(model, percent_to_timestep_function)
+        if self._cfg_saved is not None:  # an earlier run ran out of memory: try again
+            self.cna_cache_cfg = self._cfg_saved
         stores = self._stores
         self._reset_cache_state()
         self._stores = stores  # buffers kept (a graph may hold them); contents forgotten
@@ -152,14 +169,19 @@ class CachedControlNet(FusedControlNet):
         """This run's reuse to the Feature Cache node's badge (nodes/status.py)."""
         c = self._run_counts
         total = c["computed"] + c["reused"]
-        if total == 0:
+        off = self.cna_cache_off_reason
+        if total == 0 and off is None:
             return
         cfg = self.cna_cache_cfg
         lines = [
-            f"feature cache: {c['reused']}/{total} steps reused ({100 * c['reused'] / total:.0f}%)",
+            f"feature cache: {c['reused']}/{total} steps reused "
+            f"({100 * c['reused'] / max(1, total):.0f}%)",
             f"{cfg.storage} store {status.mib(self.cache_bytes())}",
         ]
-        data = {**c, "hit_rate": c["reused"] / total, "bytes": self.cache_bytes()}
+        data = {**c, "hit_rate": c["reused"] / max(1, total), "bytes": self.cache_bytes()}
+        if off is not None:
+            lines.append("cache off this run: " + status.short(off))
+            data["off_reason"] = off
         status.report(self.cna_cache_node_id, "feature_cache", lines, data)
 
     def inference_memory_requirements(self, dtype):
@@ -169,6 +191,26 @@ class CachedControlNet(FusedControlNet):
         is applied twice in a chain), plus the chain's own."""
         own = sum(s.nbytes() for s in self._stores.values()) + self._pool().nbytes()
         return own + super().inference_memory_requirements(dtype)
+
+    def _give_up(self, exc: BaseException) -> None:
+        """Out of memory allocating or reading the stores: free them and run uncached (the
+        ControlNet on every step, as without this node) for the rest of this run; the next
+        run tries again."""
+        reason = f"out of memory ({type(exc).__name__}: {status.short(str(exc), 160)})"
+        for s in self._stores.values():
+            s.clear()
+        self._stores = {}
+        self._keys = {}
+        self._cfg_saved = self.cna_cache_cfg
+        self.cna_cache_cfg = dataclasses.replace(self.cna_cache_cfg, mode="off")
+        self.cna_cache_off_reason = reason
+        logger.warning(
+            "ControlNet Feature Cache: %s; this ControlNet runs uncached for the rest of the run",
+            reason,
+        )
+        import comfy.model_management as mm
+
+        mm.soft_empty_cache()
 
     def cache_bytes(self) -> int:
         return sum(s.nbytes() for s in self._stores.values())
