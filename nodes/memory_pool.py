@@ -32,11 +32,14 @@ import weakref
 
 import torch
 
+from ..errors import NodeInputError, is_out_of_memory
 from ..logger import logger
 from ..memory import weight_compress as wc
 from . import status
+from .fused_apply import context_width, family
 
 WRAPPER_KEY = "cna_memory_pool"
+NODE = "ControlNet Memory Pool"
 MiB = 1024 * 1024
 
 LAST_RUN: dict = {}  # figures of the last sampling run, for the front end
@@ -69,7 +72,7 @@ def _original(patcher, key: str, current: torch.Tensor | None) -> torch.Tensor |
     return bk.weight if bk is not None else current
 
 
-def _compressed_module(patcher, name: str, module) -> torch.nn.Module:
+def _compressed_module(patcher, name: str, module, made: list) -> torch.nn.Module:
     w = _original(patcher, f"{name}.weight", module.weight)
     b = _original(patcher, f"{name}.bias", module.bias)
     key = _weight_key(w)
@@ -80,11 +83,14 @@ def _compressed_module(patcher, name: str, module) -> torch.nn.Module:
     c = wc.compress(module, w, b).to(patcher.offload_device)
     with _lock:
         _COMPRESSED[module] = (key, c)
+    made.append(module)
     return c
 
 
 @dataclasses.dataclass
 class CompressReport:
+    what: str = ""
+    failed: str | None = None  # why the weights stayed as loaded (out of memory)
     layers: int = 0
     skipped_patched: int = 0
     bytes_before: int = 0
@@ -126,20 +132,27 @@ def compress_patcher(patcher, root_attr: str | None, what: str):
     root = patcher.model if root_attr is None else getattr(patcher.model, root_attr)
     prefix = "" if root_attr is None else f"{root_attr}."
     patched = _patched_keys(patcher)
-    rep = CompressReport()
+    rep = CompressReport(what=what)
     clone = patcher.clone()
-    for name, module in _layers(patcher, root, prefix):
-        full = prefix + name
-        if isinstance(patcher.object_patches.get(full), wc._Int8Weight):
-            continue  # compressed by an earlier Memory Pool node (already counted in its size)
-        if f"{full}.weight" in patched or f"{full}.bias" in patched:
-            rep.skipped_patched += 1
-            continue
-        c = _compressed_module(patcher, full, module)
-        clone.add_object_patch(full, c)
-        rep.layers += 1
-        rep.bytes_before += c.original_bytes()
-        rep.bytes_after += c.compressed_bytes()
+    made: list = []  # modules compressed by this call: forgotten again if it fails
+    try:
+        for name, module in _layers(patcher, root, prefix):
+            full = prefix + name
+            if isinstance(patcher.object_patches.get(full), wc._Int8Weight):
+                continue  # compressed by an earlier Memory Pool node (counted in its size)
+            if f"{full}.weight" in patched or f"{full}.bias" in patched:
+                rep.skipped_patched += 1
+                continue
+            c = _compressed_module(patcher, full, module, made)
+            clone.add_object_patch(full, c)
+            rep.layers += 1
+            rep.bytes_before += c.original_bytes()
+            rep.bytes_after += c.compressed_bytes()
+    except BaseException:
+        with _lock:
+            for module in made:
+                _COMPRESSED.pop(module, None)
+        raise
     if rep.layers:
         clone.size = max(1, patcher.model_size() - rep.bytes_before + rep.bytes_after)
         clone.patches_uuid = uuid.uuid4()
@@ -169,7 +182,7 @@ class MemoryPoolPatch:
     def __init__(self, options: PoolOptions, node_id=None, reports: list | None = None):
         self.options = options
         self.node_id = node_id  # the node whose badge gets the run's figures
-        self.reports = reports or []  # CompressReports of this node's weights
+        self.reports = reports if reports is not None else []  # CompressReports of its weights
         self._offloaded: list[str] = []
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
@@ -229,9 +242,14 @@ class MemoryPoolPatch:
         after = sum(r.bytes_after for r in self.reports)
         if before:
             lines.append(f"weights int8: {status.mib(before)} → {status.mib(after)}")
+        failed = {r.what: r.failed for r in self.reports if r.failed}
+        for what, why in failed.items():
+            lines.append(f"{what} as loaded: {status.short(why, 40)}")
         if self._offloaded:
             lines.append("unloaded while sampling: " + ", ".join(self._offloaded))
         data = {**fig, "weights_before": before, "weights_after": after}
+        if failed:
+            data["int8_failed"] = failed
         data["offloaded"] = list(self._offloaded)
         status.report(self.node_id, "memory_pool", lines, data)
 
@@ -307,12 +325,14 @@ def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
 
     m = model
     reports: list[CompressReport] = []
+    validate_inputs(model, control_net, options)
     if options.unet_weights == "int8":
         if getattr(model.model, "diffusion_model", None) is None:
             logger.warning("Memory Pool: this MODEL has no diffusion_model; weights as loaded")
             m = model.clone()
         else:
-            m, rep = compress_patcher(model, "diffusion_model", "diffusion model")
+            got, rep = _compress_or_not(model, "diffusion_model", "diffusion model")
+            m = got if got is not None else model.clone()
             reports.append(rep)
     else:
         m = model.clone()
@@ -328,12 +348,56 @@ def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
         if why is not None:
             logger.warning("Memory Pool: ControlNet %s; its weights stay as loaded", why)
         else:
-            cn = cn.copy()
-            cn.control_model_wrapped, rep = compress_patcher(
-                control_net.control_model_wrapped, None, "ControlNet"
-            )
+            got, rep = _compress_or_not(control_net.control_model_wrapped, None, "ControlNet")
+            if got is not None:
+                cn = cn.copy()
+                cn.control_model_wrapped = got
             reports.append(rep)
     return m, cn
+
+
+def _compress_or_not(patcher, root_attr: str | None, what: str):
+    """``compress_patcher``, or (None, a report saying why not) when memory runs out: the
+    weights then stay as loaded and the workflow runs on."""
+    failure = None
+    try:
+        return compress_patcher(patcher, root_attr, what)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        failure = f"{type(e).__name__}: {status.short(str(e), 160)}"
+    # here, not in the except block: the exception's frames hold the partial INT8 copies
+    import comfy.model_management as mm
+
+    mm.soft_empty_cache()
+    logger.warning(
+        "Memory Pool: out of memory while compressing the %s (%s); its weights stay as loaded",
+        what,
+        failure,
+    )
+    return None, CompressReport(what=what, failed=f"out of memory ({failure})")
+
+
+def validate_inputs(model, control_net, options: PoolOptions) -> None:
+    """Refuse what would only fail later, mid-sampling, or silently do nothing."""
+    for name in ("unet_weights", "controlnet_weights"):
+        v = getattr(options, name)
+        if v not in WEIGHT_MODES:
+            raise NodeInputError(
+                NODE, name, f"is {v!r}", f"Choose one of {', '.join(map(repr, WEIGHT_MODES))}."
+            )
+    if control_net is None:
+        return
+    want = context_width(getattr(getattr(model, "model", None), "diffusion_model", None))
+    got = context_width(getattr(control_net, "control_model", None))
+    if want is not None and got is not None and want != got:
+        raise NodeInputError(
+            NODE,
+            "control_net",
+            f"is a {family(got)} ControlNet (text conditioning {got} wide) but 'model' is a "
+            f"{family(want)} model ({want} wide)",
+            "Load a ControlNet made for your checkpoint's model family.",
+        )
 
 
 def why_not_compressible(control_net) -> str | None:
