@@ -127,6 +127,16 @@ class FusedControlNet(_Base):
     def copy(self) -> FusedControlNet:
         return FusedControlNet.from_controlnet(self)
 
+    def pre_run(self, model, percent_to_timestep_function):
+        if self.cond_hint is not None:
+            # The last run on this object never ended: ComfyUI cleans controls up only after
+            # sampling completes, so an interrupt (or an error) leaves its prepared hint, the
+            # Feature Cache's checked-out stores and the encoding behind, and this run's first
+            # step would differ from a fresh run's. Finish that run's cleanup first.
+            logger.debug("%s: cleaning up after an interrupted run", NODE)
+            self.cleanup()
+        super().pre_run(model, percent_to_timestep_function)
+
     def cleanup(self):
         self._hint_key = self._hint_enc = self._hint_src = None
         if self.cna_node_id is not None:
