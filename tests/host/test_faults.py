@@ -477,7 +477,8 @@ def test_out_of_memory_in_capture_releases_graphs_and_runs_eager(
         monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
     before = dict(cg.TOTALS)
     _same(host, stock_small, _run(r, small, 5, GRAPH))
-    assert cg.TOTALS["captures"] - before["captures"] == 1
+    if not (where == "capture" and cache.async_allocator):  # PyTorch cannot capture again
+        assert cg.TOTALS["captures"] - before["captures"] == 1  # after that under cudaMallocAsync
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
