@@ -238,7 +238,8 @@ class GraphCache:
         cur.wait_stream(side)
         torch.cuda.synchronize()
         gc.collect()
-        _clear_cublas_workspaces()
+        if not self.async_allocator:
+            _clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
             try:
@@ -379,6 +380,9 @@ def _clear_cublas_workspaces() -> None:
     failure" on the H200, 2026-11-30, native allocator: fused+graph after a TorchCompileModel
     run). Cleared here, the workspace is allocated inside the capture, from our graph pool,
     which stays mapped while any of our graphs lives. PyTorch's own graph trees do the same.
+    Native allocator only: under cudaMallocAsync a buffer allocated inside a capture belongs to
+    the graph's memory nodes, and graph trees (the ones that clear workspaces) refuse to run
+    there at all ("cudaMallocAsync does not yet support checkPoolLiveAllocations").
     """
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None:
