@@ -64,6 +64,7 @@ class Runner:
         """Execute ``prompt``; ``on_step(i)`` is called at the sampler's step i (1-based)."""
         import asyncio
 
+        import comfy.model_management
         import comfy.utils
         import execution
 
@@ -87,6 +88,9 @@ class Runner:
                 marks.append(time.perf_counter())
             if on_step is not None:
                 on_step(len(marks))
+            # As ComfyUI's server hook does (main.py): an interrupt lands at the next step, not
+            # only at the next node.
+            comfy.model_management.throw_exception_if_processing_interrupted()
 
         old_hook = comfy.utils.PROGRESS_BAR_HOOK
         comfy.utils.set_progress_bar_global_hook(hook)

@@ -106,6 +106,7 @@ def test_interrupted_run_still_puts_the_weights_back(host, tiny_models):
 
     with pytest.raises(runner.WorkflowFailed, match="interrupted"):
         _run(r, WL, 23, VARIANTS["cuda_graph_cl"], on_step=interrupt)
+    assert len(layouts) == 2  # stopped inside sampling, at step 2
     assert any(layouts), "the weights were never channels-last during the run"
     after = {id(w): (p, s, c) for w, p, s, c in _conv_weights()}
     for w, p, s, c in before:

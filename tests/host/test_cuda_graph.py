@@ -162,12 +162,16 @@ def test_interrupted_run_then_next_run_still_matches(host, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=8)
 
+    seen = []
+
     def interrupt(step):
+        seen.append(step)
         if step == 3:
             comfy.model_management.interrupt_current_processing(True)
 
     with pytest.raises(runner.WorkflowFailed, match="interrupted"):
         _run(r, wl, 12, GRAPH, on_step=interrupt)
+    assert seen[-1] == 3  # stopped inside sampling, not after it
     graph, _, _ = _run(r, wl, 13, GRAPH)
     stock, _, _ = _run(r, wl, 13)
     _same(host, stock, graph)

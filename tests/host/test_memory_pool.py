@@ -202,12 +202,16 @@ def test_interrupted_pooled_run_leaves_nothing_behind(host, tiny_models):
     want_pool = _run(runner.Runner(), wl, "pool_int8_offload", seed=13)
     want_stock = _run(runner.Runner(), wl, None, seed=13)
 
+    seen = []
+
     def interrupt(step):
+        seen.append(step)
         if step == 3:
             comfy.model_management.interrupt_current_processing(True)
 
     with pytest.raises(runner.WorkflowFailed, match="interrupted"):
         _run(r, wl, "pool_int8_offload", seed=13, on_step=interrupt)
+    assert seen[-1] == 3  # stopped inside sampling, not after it
     _same(host, want_pool, _run(r, wl, "pool_int8_offload", seed=13))
     _same(host, want_stock, _run(r, wl, None, seed=13))
 
