@@ -35,6 +35,7 @@ import argparse
 import json
 import random
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -353,8 +354,14 @@ def main(argv=None) -> int:
         jobs = plan(a.prompts, a.tiny, a.check_every, a.seed + 1000 * k)
         try:
             reports[where] = run_server(where, root, base, jobs, a.warm, a.budget)
-        except Exception as e:  # a dead server: reported, and the run fails
-            errors[where] = f"{type(e).__name__}: {e}"[-4000:]
+        except Exception as e:  # a dead server: reported with its log's end, and the run fails
+            log = base / "server.log"
+            tail = log.read_text(errors="replace").splitlines()[-150:] if log.exists() else []
+            errors[where] = f"{type(e).__name__}: {e}"[-2000:] + "\nserver log:\n" + "\n".join(tail)
+        finally:  # the whole server log beside the report
+            a.out.mkdir(parents=True, exist_ok=True)
+            if (base / "server.log").exists():
+                shutil.copy(base / "server.log", a.out / f"soak-server-{where}.log")
 
     threads = [threading.Thread(target=one, args=(w, k)) for k, w in enumerate(wheres)]
     for t in threads:
