@@ -121,7 +121,7 @@ VARIANTS["fused+graph_cc"] = _chain(
     ),
 )
 # The Feature Cache, alone and on top of graphs + fused apply.
-for _n in (2, 3, 4):
+for _n in (2, 3, 4, 5):
     VARIANTS[f"cache_every{_n}+graph"] = _chain(
         _feature_cache(mode="every_n", every_n=_n, max_reuse=_n - 1),
         _fused_apply,

@@ -5,15 +5,17 @@
 #   bash tools/gpu.sh tests [pytest args]     host tests on the GPU
 #   bash tools/gpu.sh bench [benchmark args]  the quick benchmark, results under $OUT
 #   bash tools/gpu.sh kernels                 the kernel microbenchmark, results under $OUT
-# Next GPU session, in order (each fits one device call; see docs/benchmarks.md, "Still not
-# measured", and the last closing note):
-#   bash tools/gpu.sh tests -p no:cacheprovider -q tests/host tests/memory tests/graphs -rfE
-#     (the badge instrumentation's GPU path, the final Memory Pool tests; then resolve #8)
-#   bash tools/gpu.sh bench --workloads W1,W2,W4 --rounds 3 --no-profile --decode \
-#     --variants stock,fused+graph,cache_every3+graph,cache_every4+graph,stack_all_cc
-#     (the Feature Cache's whole-run mean after the store-pool fixes)
-#   bash tools/gpu.sh bench --workloads W0,W3 --variants stock,cuda_graph,fused,fused+graph \
-#     --cold-memory ; then W1 with compile_inductor,compile_cudagraphs (TorchCompileModel)
+#   bash tools/gpu.sh soak [soak args]        the soak run (real ComfyUI servers), under $OUT
+# The soak's servers need comfyui-frontend-package on the GPU machine: keep its wheel in .whl.
+# .whl (av + frontend) and .comfy together exceed the 64 MiB a call may carry; move the
+# tokenizers SD1.5 does not use out of .comfy for that call (t5, qwen25, t5_pile, ace_lyrics,
+# hydit_clip under comfy/text_encoders/) and put them back afterwards.
+# Next GPU session, in order (see the last closing note):
+#   bash tools/gpu.sh soak --gpus 0,1 --prompts 200 --budget 400      (kind nvidia-h200-x2;
+#     the last try lost both servers, "connection refused": read soak-server-*.log first)
+#   bash tools/gpu.sh tests -q tests/host/test_faults.py -rfE   (34 of 44 ran on the H200)
+#   bash tools/gpu.sh bench --workloads W2 --rounds 3 --no-profile --decode \
+#     --variants stock,fused+graph,cache_every4+graph,cache_every5+graph  (every 5: 1.41x predicted)
 set -uo pipefail
 OUT=${OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
