@@ -239,6 +239,24 @@ def graph_stats() -> list[dict]:
 # The patch
 
 
+def _fused_groups(chain, active) -> dict[int, list]:
+    """id(net) -> the active nets of its fused group, for each FusedControlNet of the chain:
+    a run of consecutive FusedControlNets is evaluated together (FusedControlNet.get_control),
+    and whether it runs on the positive chunk alone depends on all of its active nets."""
+    from .fused_apply import FusedControlNet
+
+    groups: dict[int, list] = {}
+    run: list = []
+    for cn, on in [*zip(chain, active, strict=True), (None, False)]:
+        if isinstance(cn, FusedControlNet):
+            run.append((cn, on))
+            continue
+        group = [c for c, o in run if o]
+        groups.update((id(c), group) for c, _ in run)
+        run = []
+    return groups
+
+
 def _supported_control_types() -> tuple[type, ...]:
     import comfy.controlnet
 
@@ -529,6 +547,7 @@ class CudaGraphPatch:
                 if sigma is None:
                     sigma = float(t[0])  # one host read per step, as stock does per ControlNet
                 active.append(not (sigma > rng[0] or sigma < rng[1]))
+            groups = _fused_groups(chain, active)
             for cn, on in zip(chain, active, strict=True):
                 if not on:  # skipped this step, as stock skips it: its hint is not read
                     chain_sig.append((id(cn.control_model), False))
@@ -544,7 +563,7 @@ class CudaGraphPatch:
                     return "ControlNet hint does not match this latent size yet (re-preparing it)"
                 cache_part: tuple = ()
                 if hasattr(cn, "cna_cache_plan"):  # ControlNet Feature Cache: compute or reuse
-                    cache_part = cn.cna_cache_plan(x, t, call.args[4])
+                    cache_part = cn.cna_cache_plan(x, t, call.args[4], groups.get(id(cn)))
                     if cache_part is None:
                         return CACHE_FILL
                 extra = tuple(sorted((k, repr(v)) for k, v in cn.extra_args.items()))

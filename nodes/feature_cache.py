@@ -41,7 +41,7 @@ from ..memory.feature_cache import (
     step_of,
 )
 from . import status
-from .fused_apply import FusedControlNet
+from .fused_apply import FusedControlNet, network_batch
 
 STATS = {"computed": 0, "reused": 0}
 _lock = threading.Lock()
@@ -259,14 +259,20 @@ class CachedControlNet(FusedControlNet):
         self._memo = (sigma, d, 1)
         return d.reuse, 0
 
-    def cna_cache_plan(self, x_noisy: torch.Tensor, t: torch.Tensor, topts: dict) -> tuple | None:
+    def cna_cache_plan(
+        self, x_noisy: torch.Tensor, t: torch.Tensor, topts: dict, group: list | None = None
+    ) -> tuple | None:
         """CUDA Graph glue: decide this call on the host, before capture or replay, and pin
         the decision for the graph's own network call (``cna_cache_forced``, cleared by the
         glue afterwards). Returns the part of the graph signature the cache decides: () when
         the cache is off, None when this call must run eager (its store is not allocated yet:
-        buffers are allocated outside any capture, once per object)."""
+        buffers are allocated outside any capture, once per object). ``group``: the active nets
+        of this net's fused group; with positive_only the network sees the positive chunk only,
+        and the decision (key, adaptive reference) is made on that chunk, as in eager steps."""
         if not self.cna_cache_cfg.enabled:
             return ()
+        if group is not None:
+            x_noisy, t = network_batch(group, x_noisy, t, topts)
         dtype = self.manual_cast_dtype or self.control_model.dtype
         if self.cna_cache_cfg.mode == "adaptive":  # the only rule that reads the values
             x_in = self.model_sampling_current.calculate_input(t, x_noisy).to(dtype)

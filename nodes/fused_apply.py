@@ -284,6 +284,17 @@ def _positive_half(active, x_noisy, t, cond, topts):
     return part(x_noisy), part(t), {k: part(v) for k, v in cond.items()}, n
 
 
+def network_batch(active, x_noisy, t, topts):
+    """The (x, t) that the networks of a fused group whose ``active`` nets are these see: the
+    positive chunk where ``get_control`` runs them on it alone (positive_only), else the whole
+    batch. The CUDA Graph glue keys the Feature Cache's host-side decision on it, as the eager
+    path does."""
+    half = _positive_half(active, x_noisy, t, {}, topts)
+    if half is None or not all(cn._fusable() for cn in active):
+        return x_noisy, t
+    return half[0], half[1]
+
+
 def _tile(out: dict, n: int) -> dict:
     """Every chunk of the batch gets the positive chunk's residuals."""
     return {k: [None if r is None else torch.cat([r] * n) for r in lst] for k, lst in out.items()}

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""ControlNet Feature Cache + Apply ControlNet (Fused) ``positive_only``, with and without the
+CUDA Graph node: both paths must make the same reuse decision at every step and give the same
+latent.
+
+With ``positive_only`` the ControlNet sees the positive half of the CFG batch. The eager path
+keys the cache on that half; the graph glue decides on the host (``cna_cache_plan``) and must
+key it on the same half, or the step after the eager fill finds "nothing stored for this
+input" and computes, shifting every later reuse by one step.
+
+Tolerance: fp32 on the CPU, relative L2 ≤ 1e-5 (the graph path is emulated there, so it is
+in fact bit-identical); on a GPU, PSNR ≥ 45 dB as in test_feature_cache.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import workflows as wf
+from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain, _feature_cache
+
+pytestmark = pytest.mark.host
+
+# 9 steps, every 3rd computed, at most 2 reuses in a row: C R R C R R C R C (5 reused). A graph
+# path that refuses the first reuse after the eager fill gives C C R R C R R C C (a different
+# count too, so the badge shows it).
+WL = wf.WORKLOADS["T1"].with_(steps=9)
+EVERY3 = _feature_cache(mode="every_n", every_n=3, max_reuse=2)
+EVERY2 = _feature_cache(mode="every_n", every_n=2, max_reuse=1)
+
+
+def _positive_only(p: dict, ids: dict) -> None:
+    """Fused apply with positive_only on (harness/quick.py's variant of that name)."""
+    for node in p.values():
+        if node["class_type"] in ("ControlNetApplyAdvanced", "CNA_ControlNetApplyFused"):
+            node["class_type"] = "CNA_ControlNetApplyFused"
+            node["inputs"]["positive_only"] = True
+
+
+@pytest.fixture(autouse=True)
+def graph_backend(host, monkeypatch):
+    if host.cpu:
+        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
+
+
+def _pack(host):
+    return sys.modules[host.pack_module_name]
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _run(host, r, wl, extra):
+    """One run: its latent and each Feature Cache node's computed/reused steps (its badge)."""
+    import folder_paths
+
+    pack = _pack(host)
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
+    p, ids = wf.build_prompt(wl, 11, hints, extra)
+    fused_before = pack.nodes.fused_apply.STATS["positive_only"]
+    got = r.run(p, ids)
+    assert pack.nodes.fused_apply.STATS["positive_only"] > fused_before, "positive_only not used"
+    nodes = sorted(k for k, v in p.items() if v["class_type"] == "CNA_ControlNetFeatureCache")
+    badges = [pack.nodes.status.LAST[n]["data"] for n in nodes]
+    return got, [{k: b[k] for k in ("computed", "reused")} for b in badges]
+
+
+@pytest.fixture
+def decisions(host, monkeypatch):
+    """Each net's reuse decision at each step, (step, reuse), in call order (the first network
+    call of a step decides it)."""
+    fc = _pack(host).nodes.feature_cache
+    orig = fc.CachedControlNet._step_decision
+    seen: list = []
+
+    def spy(self, x_in, t, topts):
+        fresh = self._memo is None or self._memo[0] != float(t[0])
+        reuse, slot = orig(self, x_in, t, topts)
+        if fresh:
+            pos = self._step_index(float(t[0]), topts)
+            seen.append((pos[0] if pos else None, reuse))
+        return reuse, slot
+
+    monkeypatch.setattr(fc.CachedControlNet, "_step_decision", spy)
+    return seen
+
+
+def _eager_and_graph(host, wl, cache, decisions):
+    """The same run without and with the CUDA Graph node (emulated on the CPU): each path's
+    latent, per-net counts and per-step decisions; checks the graph path really ran."""
+    graph_mod = _pack(host).nodes.cuda_graph
+    r = runner.Runner()
+    eager, eager_counts = _run(host, r, wl, _chain(cache, _positive_only))
+    eager_steps = list(decisions)
+    decisions.clear()
+    before = dict(graph_mod.TOTALS)
+    graph, graph_counts = _run(host, r, wl, _chain(cache, _positive_only, VARIANTS["cuda_graph"]))
+    g = {k: graph_mod.TOTALS[k] - before.get(k, 0) for k in graph_mod.TOTALS}
+    assert g["replays"] + g["captures"] >= wl.steps - 1 and g["failed"] == 0, g
+    return (eager, eager_counts, eager_steps), (graph, graph_counts, list(decisions))
+
+
+def _same_latent(host, a, b):
+    if host.cpu:
+        assert _rel(b.latent, a.latent) <= 1e-5, _rel(b.latent, a.latent)
+    else:
+        assert runner.psnr(a.latent, b.latent) >= 45.0
+
+
+def test_every_3_positive_only_same_reuse_with_and_without_graphs(host, tiny_models, decisions):
+    """harness/quick.py's cache_every3+graph with positive_only on, against it without graphs."""
+    (eager, e_counts, e_steps), (graph, g_counts, g_steps) = _eager_and_graph(
+        host, WL, EVERY3, decisions
+    )
+    assert e_steps == [(i, i in (1, 2, 4, 5, 7)) for i in range(WL.steps)], e_steps
+    assert e_counts == [{"computed": 4, "reused": 5}], e_counts
+    assert g_steps == e_steps, g_steps
+    assert g_counts == e_counts, g_counts
+    _same_latent(host, eager, graph)
+
+
+def test_two_nets_every_2_positive_only_same_reuse_with_and_without_graphs(
+    host, tiny_models, decisions
+):
+    """Two ControlNets, each with its Feature Cache, fused in one group that runs on the
+    positive chunk: each net's decisions match too."""
+    wl = wf.WORKLOADS["T2"].with_(steps=9)
+    (eager, e_counts, e_steps), (graph, g_counts, g_steps) = _eager_and_graph(
+        host, wl, EVERY2, decisions
+    )
+    # C R C R C R C R C for each net (two decisions a step, one per net)
+    assert e_steps == [(i, i % 2 == 1) for i in range(wl.steps) for _ in range(2)], e_steps
+    assert e_counts == [{"computed": 5, "reused": 4}] * 2, e_counts
+    assert g_steps == e_steps, g_steps
+    assert g_counts == e_counts, g_counts
+    _same_latent(host, eager, graph)
