@@ -228,17 +228,25 @@ def run_server(
             hist = srv.get("/history?max_items=100000")
             return {k: hist.get(k) for k in pids}
 
-        first = {queue(jobs[0])}
-        results = wait(first)
-        rep.reserved_mib["after_first_prompt"] = _reserved(srv)
-        if not cpu and srv.proc is not None:
-            rep.gpu_of_process = _gpu_of(srv.proc.pid)
-        head = {queue(j) for j in jobs[1:warm]}
-        results.update(wait(head))
-        rep.reserved_mib["after_warm_prompts"] = _reserved(srv)
-        rest = {queue(j) for j in jobs[warm:]}
-        results.update(wait(rest))
-        rep.reserved_mib["after_last_prompt"] = _reserved(srv)
+        results: dict = {}
+        try:
+            results.update(wait({queue(jobs[0])}))
+            rep.reserved_mib["after_first_prompt"] = _reserved(srv)
+            if not cpu and srv.proc is not None:
+                rep.gpu_of_process = _gpu_of(srv.proc.pid)
+            results.update(wait({queue(j) for j in jobs[1:warm]}))
+            rep.reserved_mib["after_warm_prompts"] = _reserved(srv)
+            results.update(wait({queue(j) for j in jobs[warm:]}))
+            rep.reserved_mib["after_last_prompt"] = _reserved(srv)
+        except OSError as e:  # the server stopped answering: say how it ended, and when
+            time.sleep(2.0)
+            code = srv.proc.poll() if srv.proc is not None else None
+            how = {None: "still running", -9: "killed (SIGKILL: the kernel's OOM killer?)"}
+            raise RuntimeError(
+                f"server stopped answering after {time.time() - t0:.0f} s, "
+                f"{sum(v is not None for v in results.values())} prompts done: {e}; process "
+                f"exit code {code} ({how.get(code, 'exited')})"
+            ) from e
         if not cpu:
             try:
                 rep.gpu_memory_used_mib = subprocess.run(
