@@ -32,7 +32,13 @@ def missing_requirements(comfy_root: Path | None) -> str | None:
     for exe in (CHROMIUM, CHROMEDRIVER):
         if not Path(exe).is_file():
             return f"{exe} not found (Debian packages chromium and chromium-driver)"
-    for mod in ("selenium", "aiohttp", "comfyui_frontend_package", "sqlalchemy", "alembic"):
+    return missing_server_packages(("selenium",))
+
+
+def missing_server_packages(extra: tuple[str, ...] = ()) -> str | None:
+    """None if ComfyUI's server can start here (its Python packages import), else what is
+    missing. ``extra``: more packages the caller needs."""
+    for mod in (*extra, "aiohttp", "comfyui_frontend_package", "sqlalchemy", "alembic", "PIL"):
         try:
             __import__(mod)
         except ImportError:

@@ -127,24 +127,17 @@ class ControlNetFeatureCache(io.ComfyNode):
         reuse_start=_D.reuse_start,
         reuse_end=_D.reuse_end,
     ) -> io.NodeOutput:
-        check_inputs(
+        values = dict(
             mode=mode,
-            storage=storage,
             threshold=threshold,
             every_n=every_n,
-            max_reuse=max_reuse,
-            reuse_start=reuse_start,
-            reuse_end=reuse_end,
-        )
-        cfg = CacheConfig(
-            mode=mode,
-            every_n=every_n,
-            threshold=threshold,
             max_reuse=max_reuse,
             storage=storage,
             reuse_start=reuse_start,
             reuse_end=reuse_end,
         )
+        check_inputs(**values)
+        cfg = CacheConfig(**values)
         return io.NodeOutput(apply_cache(control_net, cfg, node_id=node_id_of(cls)))
 
 

@@ -19,7 +19,12 @@ import sys
 import pytest
 from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
-from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain, _feature_cache
+from comfyui_controlnet_accelerator.harness.quick import (
+    VARIANTS,
+    _chain,
+    _feature_cache,
+    _positive_only,
+)
 
 pytestmark = pytest.mark.host
 
@@ -29,14 +34,6 @@ pytestmark = pytest.mark.host
 WL = wf.WORKLOADS["T1"].with_(steps=9)
 EVERY3 = _feature_cache(mode="every_n", every_n=3, max_reuse=2)
 EVERY2 = _feature_cache(mode="every_n", every_n=2, max_reuse=1)
-
-
-def _positive_only(p: dict, ids: dict) -> None:
-    """Fused apply with positive_only on (harness/quick.py's variant of that name)."""
-    for node in p.values():
-        if node["class_type"] in ("ControlNetApplyAdvanced", "CNA_ControlNetApplyFused"):
-            node["class_type"] = "CNA_ControlNetApplyFused"
-            node["inputs"]["positive_only"] = True
 
 
 @pytest.fixture(autouse=True)

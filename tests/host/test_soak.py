@@ -10,18 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-from comfyui_controlnet_accelerator.harness import soak
+from comfyui_controlnet_accelerator.harness import browser, soak
 
 pytestmark = [pytest.mark.host, pytest.mark.slow]
 
 
-def _why_not() -> str | None:
-    for mod in ("aiohttp", "comfyui_frontend_package", "sqlalchemy", "alembic", "PIL"):
-        try:
-            __import__(mod)
-        except ImportError:
-            return f"Python package {mod} not installed (ComfyUI's server needs it)"
-    return None
+WHY_NOT = browser.missing_server_packages()
 
 
 def _run(tmp_path: Path, models_dir: Path, *extra: str) -> tuple[int, dict]:
@@ -49,7 +43,7 @@ def test_plan_varies_what_the_issue_asks_and_checks_exact_modes():
     assert not [j for j in runs if not j.workload.controlnets and j.variant in soak.NEEDS_NET]
 
 
-@pytest.mark.skipif(_why_not() is not None, reason=f"soak: {_why_not()}")
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"soak: {WHY_NOT}")
 def test_soak_through_a_real_server(host, tiny_models, models_dir, tmp_path):
     rc, rep = _run(tmp_path, models_dir, "--prompts", "6", "--check-every", "2")
     (srv,) = rep["servers"].values()
@@ -58,7 +52,7 @@ def test_soak_through_a_real_server(host, tiny_models, models_dir, tmp_path):
     assert srv["checks"] and all(db >= 60.0 for *_, db in srv["checks"])
 
 
-@pytest.mark.skipif(_why_not() is not None, reason=f"soak: {_why_not()}")
+@pytest.mark.skipif(WHY_NOT is not None, reason=f"soak: {WHY_NOT}")
 def test_soak_flags_a_result_that_differs_from_stock(
     host, tiny_models, models_dir, tmp_path, monkeypatch
 ):
