@@ -271,6 +271,8 @@ class GraphCache:
                     _note_async_failure(msg)
                 raise CaptureFailed(msg) from e
         cur.wait_stream(side)
+        if self.async_allocator:
+            _first_launch(graph, out)
         entry.graph = graph
         entry.static_output = out
         return eager
@@ -367,6 +369,36 @@ def _end_failed_capture(graph, tb) -> None:
         torch.cuda.synchronize()
     except Exception as e:  # a sticky CUDA error cannot be mended here; say so once
         logger.error("CUDA reported an error after a failed graph capture: %s", e)
+
+
+# Captured graphs (with their outputs) whose first launch failed under cudaMallocAsync: their
+# outputs were never allocated, so they cannot be freed (see _first_launch). Kept for the life of
+# the process, like _QUARANTINE; one entry per failed signature, never captured again.
+_NEVER_LAUNCHED: list = []
+
+
+def _first_launch(graph, out) -> None:
+    """Launch a graph just captured under cudaMallocAsync once, so its output exists.
+
+    Under cudaMallocAsync the memory a capture allocates and does not free (the static output)
+    belongs to the graph's memory nodes and only exists once the graph has been launched.
+    Freeing it before then, which is what dropping a graph that was captured but never replayed
+    does (the LRU evicting a signature that ran one step only, such as the last steps after a
+    ControlNet's end_percent), makes cudaFreeAsync fail with "invalid argument" inside a tensor
+    destructor, and the C++ exception there aborts the whole process (the soak on the H200,
+    2026-11-30: both ComfyUI servers died, SIGABRT). Launched once here, while its inputs are
+    still the ones the warm-up ran on, the graph repeats the warm-up's writes with the same
+    values, and its output is an ordinary live allocation from then on.
+    """
+    try:
+        graph.replay()
+    except BaseException as e:
+        if not _NEVER_LAUNCHED:
+            import ctypes
+
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(_NEVER_LAUNCHED))
+        _NEVER_LAUNCHED.append((graph, out))
+        raise CaptureFailed(f"first launch: {type(e).__name__}: {e}") from e
 
 
 def _clear_cublas_workspaces() -> None:

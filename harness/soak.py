@@ -81,7 +81,7 @@ class Job:
 class ServerReport:
     where: str
     prompts: int = 0  # queued
-    not_run: int = 0  # still queued when the budget ran out
+    not_run: int = 0  # still queued, or interrupted while running, when the budget ran out
     failed: list = field(default_factory=list)
     bad_images: list = field(default_factory=list)
     checks: list = field(default_factory=list)  # (index, variant, psnr dB)
@@ -280,7 +280,9 @@ def run_server(
     for pid, job in ids.items():
         entry = results.get(pid)
         status = (entry or {}).get("status", {})
-        if entry is None and rep.problems and "budget" in rep.problems[-1]:
+        stopped = rep.problems and "budget" in rep.problems[-1]
+        interrupted = "execution_interrupted" in json.dumps(status.get("messages", []))
+        if stopped and (entry is None or interrupted):  # queued, or running, at the deadline
             rep.not_run += 1
             continue
         if not entry or status.get("status_str") != "success":

@@ -80,11 +80,22 @@ def _compressed_module(patcher, name: str, module, made: list) -> torch.nn.Modul
         hit = _COMPRESSED.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]
-    c = wc.compress(module, w, b).to(patcher.offload_device)
+    c = wc.compress(module, _on_compute_device(patcher, w), b).to(patcher.offload_device)
     with _lock:
         _COMPRESSED[module] = (key, c)
     made.append(module)
     return c
+
+
+def _on_compute_device(patcher, w: torch.Tensor) -> torch.Tensor:
+    """``w`` on the model's GPU, where quantizing it takes milliseconds: an unloaded
+    ControlNet's weights sit on the CPU, where the same fp32 arithmetic took 8-12 s per SD1.5
+    ControlNet (the H200 soak, 2026-11-30). One layer at a time, so the GPU holds one layer's
+    fp32 copy at most; the int8 result goes back to the offload device like the original."""
+    dev = getattr(patcher, "load_device", None)
+    if isinstance(dev, torch.device) and dev.type == "cuda" and w.device != dev:
+        return w.detach().to(dev, non_blocking=False)
+    return w
 
 
 @dataclasses.dataclass

@@ -235,3 +235,47 @@ def test_graph_survives_cublas_workspaces_cleared_by_someone_else(allocator):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
     assert out.returncode == 0 and " passed" in out.stdout, f"rc={out.returncode}\n{tail}"
+
+
+_EVICT_CHILD = "CNA_EVICT_CHILD"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.skipif(
+    os.environ.get("CNA_ALLOCATOR_CHILD") == "1", reason="the allocator runs do not nest this"
+)
+@pytest.mark.parametrize("allocator", ["cudaMallocAsync", "native"])
+def test_dropping_graphs_that_never_replayed(allocator):
+    """A signature that runs one step only (the last steps after a ControlNet's end_percent) is
+    captured and never replayed; the LRU later drops it. Under cudaMallocAsync its output exists
+    only once the graph has been launched, and freeing it before then aborted the process (both
+    soak servers on the H200). Runs in a child process, since the failure is an abort."""
+    if os.environ.get(_EVICT_CHILD) == "1":
+        if torch.cuda.memory.get_allocator_backend() != allocator:
+            pytest.skip(f"this child runs {torch.cuda.memory.get_allocator_backend()}")
+        torch.manual_seed(0)
+        w = torch.randn(256, 256, device="cuda") / 16
+        fn = _fn(w)
+        cache = GraphCache("t", max_graphs=2, backend="cuda")
+        ys = [torch.randn(3, device="cuda") for _ in range(2)]
+        for n in range(1, 9):  # every size a new signature, each captured and dropped unused
+            x = torch.randn(n * 8, 256, device="cuda")
+            out = cache.run(("once", n), fn, [x, ys[n % 2]])
+            torch.testing.assert_close(out, fn(x, ys[n % 2]), rtol=1e-4, atol=1e-4)
+        assert cache.captures == 8 and len(cache.entries) == 2
+        x = torch.randn(64, 256, device="cuda")
+        for _ in range(3):  # the survivors still replay correctly
+            out = cache.run(("once", 8), fn, [x, ys[0]])
+        torch.testing.assert_close(out, fn(x, ys[0]), rtol=1e-4, atol=1e-4)
+        cache.run(("once", 9), fn, [torch.randn(72, 256, device="cuda"), ys[1]])
+        cache.clear("models unloaded")  # drops a replayed graph and a never-replayed one
+        torch.cuda.synchronize()
+        assert not cache.entries
+        return
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"backend:{allocator}", **{_EVICT_CHILD: "1"})
+    name = f"{__file__}::test_dropping_graphs_that_never_replayed[{allocator}]"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
+    assert out.returncode == 0 and " passed" in out.stdout, f"rc={out.returncode}\n{tail}"

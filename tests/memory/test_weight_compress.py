@@ -83,3 +83,16 @@ def test_weights_left_on_the_cpu_are_brought_to_the_input():
     out = c(x)
     assert out.device.type == "cuda"
     torch.testing.assert_close(out.cpu(), c(x.cpu()), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_quantizing_on_the_gpu_gives_the_cpu_result():
+    """The Memory Pool quantizes CPU-resident weights on the GPU (seconds → milliseconds); the
+    int8 weights and scales must be the very ones the CPU would make."""
+    g = torch.Generator().manual_seed(0)
+    for shape in [(320, 320, 3, 3), (1280, 768), (4, 4096)]:
+        w = (torch.randn(shape, generator=g) * torch.rand(shape[0], *[1] * (len(shape) - 1))).half()
+        q_cpu, s_cpu = wc.quantize_per_channel(w)
+        q_gpu, s_gpu = wc.quantize_per_channel(w.cuda())
+        assert torch.equal(q_gpu.cpu(), q_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
