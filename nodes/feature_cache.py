@@ -47,9 +47,9 @@ STATS = {"computed": 0, "reused": 0}
 _lock = threading.Lock()
 
 
-def _count(key: str) -> None:
+def _count(key: str, n: int = 1) -> None:
     with _lock:
-        STATS[key] += 1
+        STATS[key] += n
 
 
 # network (control_model) -> {storage: StorePool}; dropped with the network
@@ -85,13 +85,13 @@ class _CachingModel:
         key = owner._input_key(x)
         if reuse:
             try:
-                got = store.get()
-                _count("reused")
-                return got
+                return store.get()
             except Exception as e:
                 if not is_out_of_memory(e) or owner.cna_graph_mode:
                     raise  # inside a capture the graph glue handles it (eager step, retried)
                 owner._give_up(e)  # and compute this step instead
+                _count("reused", -1)
+                _count("computed")
         out = real(x=x, hint=hint, timesteps=timesteps, context=context, **extra)
         if owner.cna_cache_cfg.enabled:
             try:
@@ -104,7 +104,6 @@ class _CachingModel:
                 if not is_out_of_memory(e) or owner.cna_graph_mode:
                     raise
                 owner._give_up(e)
-        _count("computed")
         return out
 
 
@@ -235,9 +234,17 @@ class CachedControlNet(FusedControlNet):
         return store is not None and store.filled and self._keys.get(slot) == key
 
     def _step_decision(self, x_in, t, topts) -> tuple[bool, int]:
-        """(reuse?, slot) for this network call. The step's decision is made at its first call
-        (slot 0) and followed by its later calls (one per cond batch), each with its own
-        store; a call whose store cannot serve computes."""
+        """(reuse?, slot) for this network call, counted in ``STATS``. Counted here, where the
+        eager path and the CUDA Graph glue both decide, because a graph replay runs no Python:
+        counted at the network call, replayed steps went uncounted."""
+        reuse, slot = self._decide(x_in, t, topts)
+        _count("reused" if reuse else "computed")
+        return reuse, slot
+
+    def _decide(self, x_in, t, topts) -> tuple[bool, int]:
+        """The step's decision is made at its first call (slot 0) and followed by its later
+        calls (one per cond batch), each with its own store; a call whose store cannot serve
+        computes."""
         sigma = float(t[0]) if isinstance(t, torch.Tensor) else float(t)
         key = self._input_key(x_in)
         if self._memo is not None and self._memo[0] == sigma:
