@@ -45,9 +45,11 @@ class CacheConfig:
     """What the ControlNet Feature Cache node sets. ``mode="off"`` disables everything."""
 
     mode: str = "every_n"
-    every_n: int = 3
+    # every 5th step: with two or more ControlNets ≥ 1.4× over fused + graphs at SSIM 0.997 on
+    # the H200 (docs/benchmarks.md, session 5); lower values stay closer to the uncached image
+    every_n: int = 5
     threshold: float = 0.15
-    max_reuse: int = 2
+    max_reuse: int = 4
     storage: str = "int8"
     reuse_start: float = 0.0
     reuse_end: float = 1.0

@@ -63,14 +63,16 @@ class ControlNetFeatureCache(io.ComfyNode):
                     min=RANGES["every_n"][0],
                     max=RANGES["every_n"][1],
                     tooltip="every_n: run the ControlNet on every n-th step, reuse between. 1 "
-                    "never reuses.",
+                    "never reuses; smaller values stay closer to the uncached image (2-3), "
+                    "larger ones are faster.",
                 ),
                 io.Int.Input(
                     "max_reuse",
                     default=_D.max_reuse,
                     min=RANGES["max_reuse"][0],
                     max=RANGES["max_reuse"][1],
-                    tooltip="At most this many reused steps in a row. 0 turns the cache off.",
+                    tooltip="At most this many reused steps in a row (every_n - 1 lets every_n work "
+                    "fully). 0 turns the cache off.",
                 ),
                 io.Combo.Input(
                     "storage",
