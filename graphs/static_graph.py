@@ -4,7 +4,8 @@
 ``GraphCache.run(key, fn, inputs)`` is the whole interface:
 - the first call for a ``key`` copies ``inputs`` into static buffers, runs ``fn`` eagerly on a
   side stream (warm-up: cuBLAS/cuDNN handles, lazy inits; its result is this call's answer),
-  then captures ``fn`` on those buffers into a ``torch.cuda.CUDAGraph``;
+  then captures ``fn`` on those buffers into a ``torch.cuda.CUDAGraph`` (under cudaMallocAsync
+  also launches it once, so that its output exists before anyone can free it: ``_first_launch``);
 - later calls copy the new inputs into the static buffers, replay, and return a clone of the
   static output (so nothing the caller keeps is overwritten by the next replay);
 - any exception during warm-up or capture ends the capture cleanly, marks the key as failed with
