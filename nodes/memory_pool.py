@@ -80,7 +80,13 @@ def _compressed_module(patcher, name: str, module, made: list) -> torch.nn.Modul
         hit = _COMPRESSED.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]
-    c = wc.compress(module, _on_compute_device(patcher, w), b).to(patcher.offload_device)
+    try:
+        c = wc.compress(module, _on_compute_device(patcher, w), b)
+    except Exception as e:  # no room on the GPU for one layer: the CPU does it, slower
+        if not is_out_of_memory(e):
+            raise
+        c = wc.compress(module, w, b)
+    c = c.to(patcher.offload_device)
     with _lock:
         _COMPRESSED[module] = (key, c)
     made.append(module)
@@ -91,7 +97,8 @@ def _on_compute_device(patcher, w: torch.Tensor) -> torch.Tensor:
     """``w`` on the model's GPU, where quantizing it takes milliseconds: an unloaded
     ControlNet's weights sit on the CPU, where the same fp32 arithmetic took 8-12 s per SD1.5
     ControlNet (the H200 soak, 2026-11-30). One layer at a time, so the GPU holds one layer's
-    fp32 copy at most; the int8 result goes back to the offload device like the original."""
+    fp32 copy at most (if even that does not fit, the caller quantizes on the CPU); the int8
+    result goes back to the offload device like the original."""
     dev = getattr(patcher, "load_device", None)
     if isinstance(dev, torch.device) and dev.type == "cuda" and w.device != dev:
         return w.detach().to(dev, non_blocking=False)

@@ -52,7 +52,7 @@ graph's static buffers (G)         (injected; a real OOM inside a CUDA capture: 
 out of memory allocating the       here::out_of_memory_in_the_feature_cache_runs_uncached
 stores (C)
 out of memory compressing weights  here::out_of_memory_while_compressing_keeps_weights_as_loaded
-(P)
+(P)                                here::out_of_memory_for_one_layer_on_the_gpu_quantizes_it_on_the_cpu
 interrupt mid-run → next run       here::interrupt_mid_sampling_then_the_next_run_is_clean
 clean (all)                        CG::interrupted_run_then_next_run_still_matches,
                                    MP::interrupted_pooled_run_leaves_nothing_behind and
@@ -557,6 +557,36 @@ def test_out_of_memory_while_compressing_keeps_weights_as_loaded(
     assert any("diffusion model" in w for w in warned) and any("ControlNet" in w for w in warned)
     badge = pack.nodes.status.LAST[_node_of(p, "CNA_ControlNetMemoryPool")]["data"]
     assert set(badge.get("int8_failed", {})) == {"diffusion model", "ControlNet"}, badge
+
+
+def test_out_of_memory_for_one_layer_on_the_gpu_quantizes_it_on_the_cpu(
+    host, tiny_models, monkeypatch
+):
+    """The Memory Pool quantizes unloaded weights on the GPU, one layer at a time; when even
+    one layer does not fit there, that layer is quantized on the CPU and the run is the same as
+    without the fault (not weights left as loaded)."""
+    pack = _pack(host)
+    mp, wc = pack.nodes.memory_pool, pack.memory.weight_compress
+    p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
+    mp._COMPRESSED.clear()
+    ref = runner.Runner().run(p, ids)
+    calls = {"n": 0}
+    orig = wc.compress
+
+    def compress(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OOM("CUDA out of memory. Tried to allocate 20.00 MiB (injected)")
+        return orig(*a, **k)
+
+    monkeypatch.setattr(wc, "compress", compress)
+    mp._COMPRESSED.clear()  # compress again, now with the fault
+    p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
+    got = runner.Runner().run(p, ids)
+    assert calls["n"] > 3  # the fault hit one layer, the rest went on
+    assert torch.equal(got.latent, ref.latent)
+    badge = pack.nodes.status.LAST[_node_of(p, "CNA_ControlNetMemoryPool")]["data"]
+    assert not badge.get("int8_failed"), badge
 
 
 def _interrupt_inside_sampling(at: int, seen: list):
