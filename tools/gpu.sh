@@ -11,16 +11,24 @@
 # tokenizers SD1.5 does not use out of .comfy for that call (t5, qwen25, t5_pile, ace_lyrics,
 # hydit_clip under comfy/text_encoders/) and put them back afterwards.
 # Next GPU session, in order (see the last closing note):
-#   bash tools/gpu.sh soak --gpus 0,1 --prompts 200 --budget 400      (kind nvidia-h200-x2;
-#     the last try lost both servers, "connection refused": read soak-server-*.log first)
-#   bash tools/gpu.sh tests -q tests/host/test_faults.py -rfE   (34 of 44 ran on the H200)
-#   bash tools/gpu.sh bench --workloads W2 --rounds 3 --no-profile --decode \
-#     --variants stock,fused+graph,cache_every4+graph,cache_every5+graph  (every 5: 1.41x predicted)
+#   bash tools/gpu.sh soak --gpus 0,1 --prompts 200 --budget 480      (kind nvidia-h200-x2;
+#     ~560 s of device time; session 5's run was clean but predates the /free VRAM reading)
+#   bash tools/gpu.sh tests -q tests/host/test_feature_cache.py tests/host/test_faults.py -rfE
+#     (session 5's CPU-only changes: decision counters, GPU-quantize fallback)
+#   Memory Pool (#7): W2 peak 55% of stock (53% asked), +9-11% step time (5% asked).
 set -uo pipefail
 OUT=${OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  # once per machine, under a lock: two of these started at once (a benchmark on one GPU, tests
+  # on the other) raced here, and one of them lost torchsde half-way through the other's install
+  (
+    if command -v flock >/dev/null; then flock 9; fi
+    [ -e /tmp/site/.cna-installed ] || {
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && touch /tmp/site/.cna-installed
+    }
+  ) 9>/tmp/cna-site.lock
+  export PYTHONPATH=/tmp/site
 fi
 export COMFYUI_PATH=${COMFYUI_PATH:-$PWD/.comfy/ComfyUI}
 export CNA_MODELS_DIR=${CNA_MODELS_DIR:-/tmp/cna_models}
