@@ -229,10 +229,23 @@ def test_graph_survives_cublas_workspaces_cleared_by_someone_else(allocator):
         assert cache.lookup("b").replays == 1
         torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
         return
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"backend:{allocator}", **{_CUBLAS_CHILD: "1"})
-    name = f"{__file__}::test_graph_survives_cublas_workspaces_cleared_by_someone_else[{allocator}]"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    _assert_child_passes(
+        "test_graph_survives_cublas_workspaces_cleared_by_someone_else", allocator, _CUBLAS_CHILD
+    )
+
+
+def _assert_child_passes(test: str, allocator: str, child_flag: str) -> None:
+    """Run ``test[allocator]`` of this file in a child pytest under ``allocator`` (fixed when
+    torch first touches CUDA) with ``child_flag`` set, for cases whose failure is an abort."""
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"backend:{allocator}", **{child_flag: "1"})
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    out = subprocess.run(
+        [*cmd, f"{__file__}::{test}[{allocator}]"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
     assert out.returncode == 0 and " passed" in out.stdout, f"rc={out.returncode}\n{tail}"
 
@@ -273,9 +286,4 @@ def test_dropping_graphs_that_never_replayed(allocator):
         torch.cuda.synchronize()
         assert not cache.entries
         return
-    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"backend:{allocator}", **{_EVICT_CHILD: "1"})
-    name = f"{__file__}::test_dropping_graphs_that_never_replayed[{allocator}]"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    tail = "\n".join((out.stdout + out.stderr).splitlines()[-30:])
-    assert out.returncode == 0 and " passed" in out.stdout, f"rc={out.returncode}\n{tail}"
+    _assert_child_passes("test_dropping_graphs_that_never_replayed", allocator, _EVICT_CHILD)
