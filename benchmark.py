@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
 """The quick benchmark, in one command: ``python benchmark.py`` (``--help`` for options);
 ``python benchmark.py --kernels`` runs the kernel microbenchmark instead (GPU only);
+``python benchmark.py --mem-breakdown`` where the peak VRAM of a run goes (GPU only);
 ``python benchmark.py --soak`` the soak run through real ComfyUI servers (harness/soak.py).
 
 This file runs as a script, never imported by ComfyUI. The pack root must not stay on sys.path
@@ -26,6 +27,10 @@ if __name__ == "__main__":
         from comfyui_controlnet_accelerator.harness.kernel_bench import main
 
         sys.exit(main([a for a in sys.argv[1:] if a != "--kernels"]))
+    if "--mem-breakdown" in sys.argv[1:]:  # where one run's peak VRAM goes (GPU only)
+        from comfyui_controlnet_accelerator.harness.mem_breakdown import main
+
+        sys.exit(main([a for a in sys.argv[1:] if a != "--mem-breakdown"]))
     if "--soak" in sys.argv[1:]:  # the soak run through real ComfyUI servers
         from comfyui_controlnet_accelerator.harness.soak import main
 

@@ -6,6 +6,7 @@
 #   bash tools/gpu.sh bench [benchmark args]  the quick benchmark, results under $OUT
 #   bash tools/gpu.sh kernels                 the kernel microbenchmark, results under $OUT
 #   bash tools/gpu.sh soak [soak args]        the soak run (real ComfyUI servers), under $OUT
+#   bash tools/gpu.sh mem [args]              where a run's peak VRAM goes, under $OUT
 # The soak's servers need comfyui-frontend-package on the GPU machine: keep its wheel in .whl.
 # .whl (av + frontend) and .comfy together exceed the 64 MiB a call may carry; move the
 # tokenizers SD1.5 does not use out of .comfy for that call (t5, qwen25, t5_pile, ace_lyrics,
@@ -42,5 +43,6 @@ case "$what" in
   bench) python3 benchmark.py --out "$OUT" "$@" ;;
   kernels) python3 benchmark.py --kernels --out "$OUT" "$@" ;;
   soak) python3 benchmark.py --soak --out "$OUT" "$@" ;;
-  *) echo "usage: tools/gpu.sh tests|bench|kernels|soak [args]" >&2; exit 2 ;;
+  mem) python3 benchmark.py --mem-breakdown --out "$OUT" "$@" ;;
+  *) echo "usage: tools/gpu.sh tests|bench|kernels|soak|mem [args]" >&2; exit 2 ;;
 esac

@@ -59,3 +59,34 @@ def test_loading_the_benchmark_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing the benchmark's variants imported torch"
+
+
+def test_peak_breakdown_finds_the_highest_point_and_what_was_alive_there():
+    from comfyui_controlnet_accelerator.harness.mem_breakdown import peak_breakdown
+
+    def ev(action, addr, size, fn="nodes/memory_pool.py", line=1):
+        return {
+            "action": action,
+            "addr": addr,
+            "size": size,
+            "frames": [
+                {"filename": "/x/torch/nn/functional.py", "line": 9, "name": "conv2d"},
+                {"filename": f"/pack/{fn}", "line": line, "name": "f"},
+            ],
+        }
+
+    MiB = 1 << 20
+    trace = [
+        ev("alloc", 1, 10 * MiB, line=1),
+        ev("free_requested", 99, 4 * MiB),  # a block from before the trace (an unload)
+        ev("alloc", 2, 20 * MiB, line=2),
+        ev("alloc", 3, 5 * MiB, line=2),  # peak here: 10 - 4 + 20 + 5 = 31
+        ev("free_requested", 2, 20 * MiB),
+        ev("free_completed", 2, 20 * MiB),
+        ev("alloc", 4, 15 * MiB, line=3),  # 26: below the peak
+    ]
+    peak, rows = peak_breakdown({"device_traces": [trace]})
+    assert peak == 31
+    assert rows[0] == (25.0, 2, "nodes/memory_pool.py:2(f)")
+    assert rows[1] == (10.0, 1, "nodes/memory_pool.py:1(f)")
+    assert len(rows) == 2  # the 15 MiB block came after the peak
