@@ -71,8 +71,8 @@ class ControlNetFeatureCache(io.ComfyNode):
                     default=_D.max_reuse,
                     min=RANGES["max_reuse"][0],
                     max=RANGES["max_reuse"][1],
-                    tooltip="At most this many reused steps in a row (every_n - 1 lets every_n work "
-                    "fully). 0 turns the cache off.",
+                    tooltip="At most this many reused steps in a row (every_n - 1 lets every_n "
+                    "work fully). 0 turns the cache off.",
                 ),
                 io.Combo.Input(
                     "storage",

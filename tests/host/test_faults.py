@@ -52,7 +52,8 @@ graph's static buffers (G)         (injected; a real OOM inside a CUDA capture: 
 out of memory allocating the       here::out_of_memory_in_the_feature_cache_runs_uncached
 stores (C)
 out of memory compressing weights  here::out_of_memory_while_compressing_keeps_weights_as_loaded
-(P)                                here::out_of_memory_for_one_layer_on_the_gpu_quantizes_it_on_the_cpu
+(P)                                here::out_of_memory_for_one_layer_on_the_gpu_quantizes_it_
+                                   on_the_cpu
 interrupt mid-run → next run       here::interrupt_mid_sampling_then_the_next_run_is_clean
 clean (all)                        CG::interrupted_run_then_next_run_still_matches,
                                    MP::interrupted_pooled_run_leaves_nothing_behind and
