@@ -37,21 +37,28 @@ def _site(frames) -> str:
     return " < ".join(picked) or "(no python frame)"
 
 
-def peak_breakdown(snapshot: dict, device: int = 0, top: int = 25) -> tuple[float, list]:
+def peak_breakdown(
+    snapshot: dict, device: int = 0, top: int = 25, start_marker: str | None = None
+) -> tuple[float, list]:
     """(peak MiB, [(MiB, count, site)]): the highest net allocation over the trace, and the
-    blocks allocated during the trace and alive at that point, by allocation site."""
+    blocks allocated during the trace and alive at that point, by allocation site. With
+    ``start_marker``, only points after the first allocation made in a function of that name
+    count (everything before still counts as alive)."""
     trace = snapshot["device_traces"][device]
     live: dict[int, tuple[int, str]] = {}
     # net bytes since the trace began: frees of blocks allocated before it count too (a model
     # unloaded during sampling), their allocation site is unknown
     cur = best = 0
     best_live: dict = {}
+    started = start_marker is None
     for ev in trace:
         a = ev["action"]
+        if not started and any(f.get("name") == start_marker for f in ev.get("frames", [])):
+            started = True
         if a == "alloc":
             live[ev["addr"]] = (ev["size"], _site(ev.get("frames", [])))
             cur += ev["size"]
-            if cur > best:
+            if started and cur > best:
                 best = cur
                 best_live = dict(live)
         elif a == "free_requested":
@@ -91,11 +98,10 @@ def main(argv=None) -> int:
     base: list = []
 
     def traced_sample(self, *args, **kwargs):
-        # from the start of sampling (the run's models load inside it): what was allocated
-        # before is one baseline figure, what is allocated after is traced block by block
+        # marks where sampling begins in the trace (the run's models load inside it)
         torch.cuda.synchronize()
         base.append(torch.cuda.memory_allocated())
-        torch.cuda.memory._record_memory_history(max_entries=400000, stacks="python")
+        torch.empty(1, device="cuda")
         return orig(self, *args, **kwargs)
 
     for v in a.variants.split(","):
@@ -105,6 +111,7 @@ def main(argv=None) -> int:
         runner.Runner().run(p, ids)
         quick._cold_reset()
         base.clear()
+        torch.cuda.memory._record_memory_history(max_entries=1000000, stacks="python")
         cls.sample = traced_sample
         try:
             res = runner.Runner().run(p, ids)
@@ -112,13 +119,13 @@ def main(argv=None) -> int:
             cls.sample = orig
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        peak, rows = peak_breakdown(snap, torch.cuda.current_device())
+        peak, rows = peak_breakdown(snap, torch.cuda.current_device(), start_marker="traced_sample")
         b = base[0] / MiB if base else 0.0
         lines = [
             f"{a.workload} {v}: prompt peak allocated {res.peak_allocated / MiB:.0f} MiB, "
-            f"sampling peak {res.extra.get('sampling_peak_allocated', 0) / MiB:.0f} MiB = "
-            f"{b:.0f} MiB allocated when sampling began + {peak:.0f} MiB allocated since, at "
-            "the peak:",
+            f"sampling peak {res.extra.get('sampling_peak_allocated', 0) / MiB:.0f} MiB "
+            f"({b:.0f} MiB allocated when sampling began); traced from a cold start: "
+            f"{peak:.0f} MiB at the sampling peak, of which:",
         ]
         lines += [f"  {mib:9.1f} MiB {n:5d}x  {site}" for mib, n, site in rows]
         text = "\n".join(lines)

@@ -86,7 +86,33 @@ def test_peak_breakdown_finds_the_highest_point_and_what_was_alive_there():
         ev("alloc", 4, 15 * MiB, line=3),  # 26: below the peak
     ]
     peak, rows = peak_breakdown({"device_traces": [trace]})
+    assert peak_breakdown({"device_traces": [trace]}, start_marker="nothing")[0] == 0
     assert peak == 31
     assert rows[0] == (25.0, 2, "nodes/memory_pool.py:2(f)")
     assert rows[1] == (10.0, 1, "nodes/memory_pool.py:1(f)")
     assert len(rows) == 2  # the 15 MiB block came after the peak
+
+
+def test_peak_breakdown_after_a_marker_counts_earlier_blocks_but_not_earlier_peaks():
+    from comfyui_controlnet_accelerator.harness.mem_breakdown import peak_breakdown
+
+    MiB = 1 << 20
+
+    def ev(action, addr, size, name="f"):
+        return {
+            "action": action,
+            "addr": addr,
+            "size": size,
+            "frames": [{"filename": "/pack/nodes/x.py", "line": 1, "name": name}],
+        }
+
+    trace = [
+        ev("alloc", 1, 50 * MiB),  # a peak before sampling (compressing the weights)
+        ev("alloc", 2, 30 * MiB),  # weights kept
+        ev("free_requested", 1, 50 * MiB),
+        ev("alloc", 3, 1 * MiB, name="traced_sample"),
+        ev("alloc", 4, 10 * MiB),
+    ]
+    assert peak_breakdown({"device_traces": [trace]})[0] == 80
+    peak, rows = peak_breakdown({"device_traces": [trace]}, start_marker="traced_sample")
+    assert peak == 41 and sum(r[0] for r in rows) == 41
