@@ -179,6 +179,29 @@ VARIANTS["pool_offload"] = _memory_pool(
 VARIANTS["pool_int8_offload+graph"] = _chain(
     VARIANTS["pool_int8_offload"], _fused_apply, VARIANTS["cuda_graph"]
 )
+# lossless: ControlNet weights streamed from pinned RAM (UNet as loaded, or INT8)
+VARIANTS["pool_cn_stream+graph"] = _chain(
+    _memory_pool(unet_weights="as loaded", controlnet_weights="stream", offload_idle_models=True),
+    _fused_apply,
+    VARIANTS["cuda_graph"],
+)
+VARIANTS["pool_int8_cn_stream+graph"] = _chain(
+    _memory_pool(controlnet_weights="stream", offload_idle_models=True),
+    _fused_apply,
+    VARIANTS["cuda_graph"],
+)
+# INT8 with the ControlNets run after, not beside, the UNet's first blocks (less memory at once)
+VARIANTS["pool_int8_offload+graph_serial"] = _chain(
+    VARIANTS["pool_int8_offload"],
+    VARIANTS["fused+graph_serial"],
+)
+# everything streamed: UNet and ControlNets in pinned RAM (the least VRAM, exact, slowest)
+VARIANTS["pool_stream_all"] = _memory_pool(
+    unet_weights="stream", controlnet_weights="stream", offload_idle_models=True
+)
+VARIANTS["pool_cn_stream"] = _memory_pool(
+    unet_weights="as loaded", controlnet_weights="stream", offload_idle_models=True
+)
 # Every node in its exact mode (Memory Pool weights as loaded + idle models unloaded, Feature
 # Cache off, fused apply, graphs with concurrent ControlNets): must give stock's result.
 VARIANTS["exact_stack"] = _chain(

@@ -9,10 +9,12 @@ model is unpatched).
 
 Dequantization is one elementwise kernel per layer call (``kernels.dequant_rows``: the int8
 weight times its row's scale, written straight into a tensor of the input's dtype): it reads 1
-byte and writes 2 per weight. PyTorch's own mixed-dtype ``mul`` did the same at about a fifth
-of the bandwidth on the H200 (+7.4 ms per SD1.5 step with two ControlNets), hence the kernel. The
-dequantized weight is a temporary: the caching allocator (or a CUDA graph's pool) reuses its
-memory for the next layer, so at most a layer or two of fp16 weights exist at any time.
+byte and writes 2 per weight. On CUDA it runs one layer ahead on a side stream, overlapping the
+previous layer's compute (``prefetch.py``). PyTorch's own mixed-dtype ``mul`` did the same at
+about a fifth of the bandwidth on the H200 (+7.4 ms per SD1.5 step with two ControlNets), hence
+the kernel. The dequantized weight is a temporary: the caching allocator (or a CUDA graph's
+pool) reuses its memory for the next layer, so at most a layer or two of fp16 weights exist at
+any time.
 
 Error: symmetric rounding to 255 levels per output channel, |w − ŵ| ≤ scale/2 with scale =
 max|w_row| / 127 (tested). When a layer's int8 weight lives on another device than its input
@@ -26,20 +28,31 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from . import prefetch
 
 # Layers smaller than this stay as they are: their bytes do not matter and they are often
 # precision-critical (time embeddings, small projections).
 MIN_NUMEL = 4096
 
 
+# Rows quantized at once: the fp32 temporaries of one chunk stay small (a few MiB) where those
+# of the largest SD1.5 layer, quantized whole, were 225 MiB on the GPU (H200 trace, 2026-11-30).
+CHUNK_ELEMENTS = 1 << 20
+
+
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 weight, fp32 scale of shape (out, 1, ...)): symmetric per output channel."""
-    w32 = w.detach().float()
-    amax = w32.reshape(w32.shape[0], -1).abs().amax(dim=1)
-    scale = (amax / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
-    scale = scale.reshape((-1,) + (1,) * (w.dim() - 1))
-    q = torch.round(w32 / scale).clamp_(-127, 127).to(torch.int8)
-    return q, scale
+    """(int8 weight, fp32 scale of shape (out, 1, ...)): symmetric per output channel,
+    computed a few rows at a time."""
+    w2 = w.detach().reshape(w.shape[0], -1)
+    rows = max(1, CHUNK_ELEMENTS // max(1, w2.shape[1]))
+    q = torch.empty(w2.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w2.shape[0], dtype=torch.float32, device=w.device)
+    for r in range(0, w2.shape[0], rows):
+        w32 = w2[r : r + rows].float()
+        s = (w32.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        scale[r : r + rows] = s
+        q[r : r + rows] = torch.round(w32 / s[:, None]).clamp_(-127, 127)
+    return q.reshape(w.shape), scale.reshape((-1,) + (1,) * (w.dim() - 1))
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
@@ -51,80 +64,154 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, device)
     return kernels.dequant_rows(q, scale, dtype)
 
 
-class _Int8Weight(torch.nn.Module):
-    """Shared part: int8 weight + scale as (frozen) parameters, so ComfyUI's loader moves and
-    counts them like any weight; the bias as it was."""
+class _Replaced(torch.nn.Module):
+    """A Linear or Conv2d whose weight is kept elsewhere or otherwise (subclasses say how) and
+    made into a tensor of the input's dtype for each call; the bias as it was, a parameter, so
+    ComfyUI's loader moves and counts it like any weight."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, layer: torch.nn.Module, bias: torch.Tensor | None):
         super().__init__()
-        q, scale = quantize_per_channel(weight)
-        self.q = torch.nn.Parameter(q, requires_grad=False)
-        self.scale = torch.nn.Parameter(scale, requires_grad=False)
-        self.weight_dtype = weight.dtype  # what the original held (for reports)
+        self.kind = "conv" if isinstance(layer, torch.nn.Conv2d) else "linear"
+        if self.kind == "conv":
+            if layer.padding_mode != "zeros":
+                raise ValueError(f"padding_mode {layer.padding_mode!r} is not supported")
+            self.stride, self.padding = layer.stride, layer.padding
+            self.dilation, self.groups = layer.dilation, layer.groups
+            self.in_channels, self.out_channels = layer.in_channels, layer.out_channels
+            self.kernel_size = layer.kernel_size
+        else:
+            self.in_features, self.out_features = layer.in_features, layer.out_features
         if bias is not None:
             self.bias = torch.nn.Parameter(bias.detach().clone(), requires_grad=False)
         else:
             self.bias = None
 
-    def _weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w = dequantize(self.q, self.scale, x.dtype, x.device)
+    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._weight_for(x)
         b = self.bias
         if b is not None and (b.dtype != x.dtype or b.device != x.device):
             b = b.to(device=x.device, dtype=x.dtype, non_blocking=True)
-        return w, b
+        if self.kind == "conv":
+            # the conv's memory format follows the input (channels_last stays channels_last)
+            return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
+        return F.linear(x, w, b)
+
+    def _bias_bytes(self) -> int:
+        return 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+
+    def extra_repr(self) -> str:
+        how = type(self).__name__.replace("Linear", "").replace("Conv2d", "").lower()
+        if self.kind == "conv":
+            return (
+                f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, {how}"
+            )
+        return f"in_features={self.in_features}, out_features={self.out_features}, {how}"
+
+
+class _Int8Weight(_Replaced):
+    """INT8 weight + fp32 scale per output channel, as (frozen) parameters that ComfyUI's
+    loader moves to the GPU; expanded to the input's dtype where the layer runs."""
+
+    def __init__(self, layer, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(layer, bias)
+        q, scale = quantize_per_channel(weight)
+        self.q = torch.nn.Parameter(q, requires_grad=False)
+        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+        self.weight_dtype = weight.dtype  # what the original held (for reports)
+
+    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        # Expanded in place, on the layer's stream. Expanding one layer ahead on a side stream
+        # (memory/prefetch.py) was measured slower under CUDA graphs on the H200: W2 22.16 ->
+        # 25.19 ms/step (2026-11-30), the ~850 cross-stream dependencies of a step cost more
+        # than the copies they hid.
+        return dequantize(self.q, self.scale, x.dtype, x.device)
 
     def compressed_bytes(self) -> int:
-        n = self.q.numel() + self.scale.numel() * 4
-        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        return self.q.numel() + self.scale.numel() * 4 + self._bias_bytes()
 
     def original_bytes(self) -> int:
         n = self.q.numel() * torch.empty((), dtype=self.weight_dtype).element_size()
-        return n + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        return n + self._bias_bytes()
 
 
 class Int8Linear(_Int8Weight):
     def __init__(self, layer: torch.nn.Linear, weight=None, bias=None):
         super().__init__(
-            layer.weight if weight is None else weight, layer.bias if bias is None else bias
+            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
         )
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self._weights(x)
-        return F.linear(x, w, b)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
 class Int8Conv2d(_Int8Weight):
     def __init__(self, layer: torch.nn.Conv2d, weight=None, bias=None):
-        if layer.padding_mode != "zeros":
-            raise ValueError(f"padding_mode {layer.padding_mode!r} is not supported")
         super().__init__(
-            layer.weight if weight is None else weight, layer.bias if bias is None else bias
+            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
         )
-        self.stride, self.padding = layer.stride, layer.padding
-        self.dilation, self.groups = layer.dilation, layer.groups
-        self.in_channels, self.out_channels = layer.in_channels, layer.out_channels
-        self.kernel_size = layer.kernel_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, b = self._weights(x)
-        # the conv's memory format follows the input (channels_last inputs stay channels_last)
-        return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
 
-    def extra_repr(self) -> str:
-        return (
-            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
-            f"stride={self.stride}, padding={self.padding}, int8"
+class _StreamedWeight(_Replaced):
+    """The weight, unchanged, in pinned host memory instead of VRAM (not a parameter or
+    buffer: ComfyUI's loader leaves it where it is and does not count it), copied to the GPU
+    for each call, one layer ahead on a side stream (``prefetch.py``) so the copy overlaps the
+    layer before. Lossless: the layer computes with the very values it was loaded with."""
+
+    def __init__(self, layer, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(layer, bias)
+        host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
+        if torch.cuda.is_available():
+            try:
+                host = host.pin_memory()  # asynchronous copies, capturable in a CUDA graph
+            except RuntimeError:  # no room for page-locked memory: pageable, synchronous
+                pass
+        host.copy_(weight.detach())
+        self.host_weight = host
+        self.weight_dtype = weight.dtype
+
+    def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        return prefetch.weight(self, x)
+
+    # the prefetch lane's interface
+    def expand_weight(self, dtype: torch.dtype, device) -> torch.Tensor:
+        w = self.host_weight.to(device, non_blocking=self.host_weight.is_pinned())
+        return w if w.dtype == dtype else w.to(dtype)
+
+    def empty_weight(self, dtype: torch.dtype, device) -> torch.Tensor | None:
+        pageable = torch.device(device).type == "cuda" and not self.host_weight.is_pinned()
+        if dtype != self.weight_dtype or pageable:
+            return None  # cast per call / synchronous copy: done where the layer runs
+        return torch.empty(self.host_weight.shape, dtype=dtype, device=device)
+
+    def expand_weight_into(self, out: torch.Tensor) -> None:
+        out.copy_(self.host_weight, non_blocking=True)
+
+    def compressed_bytes(self) -> int:  # what stays in VRAM
+        return self._bias_bytes()
+
+    def original_bytes(self) -> int:
+        return self.host_weight.numel() * self.host_weight.element_size() + self._bias_bytes()
+
+
+class StreamedLinear(_StreamedWeight):
+    def __init__(self, layer: torch.nn.Linear, weight=None, bias=None):
+        super().__init__(
+            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
+        )
+
+
+class StreamedConv2d(_StreamedWeight):
+    def __init__(self, layer: torch.nn.Conv2d, weight=None, bias=None):
+        super().__init__(
+            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
         )
 
 
 def why_not(module: torch.nn.Module) -> str | None:
     """None if ``module`` can be compressed, else why not."""
-    if type(module).__name__.startswith("Int8"):
-        return "already compressed"
+    if isinstance(module, _Replaced):
+        return "already compressed or streamed"
     if isinstance(module, torch.nn.Conv2d):
         if module.padding_mode != "zeros":
             return f"padding_mode {module.padding_mode}"
@@ -145,15 +232,19 @@ def why_not(module: torch.nn.Module) -> str | None:
     return None
 
 
-def compress(module: torch.nn.Module, weight=None, bias=None) -> torch.nn.Module:
-    """The int8 replacement of a Linear or Conv2d (see ``why_not``); ``weight`` / ``bias``
-    stand in for the module's own (e.g. the unpatched originals while a LoRA is applied)."""
+def compress(module: torch.nn.Module, weight=None, bias=None, mode: str = "int8"):
+    """The replacement of a Linear or Conv2d (see ``why_not``): ``mode`` "int8" (INT8 in VRAM)
+    or "stream" (as loaded, in pinned host memory); ``weight`` / ``bias`` stand in for the
+    module's own (e.g. the unpatched originals while a LoRA is applied)."""
     reason = why_not(module)
     if reason is not None:
         raise ValueError(f"cannot compress {type(module).__name__}: {reason}")
-    if isinstance(module, torch.nn.Conv2d):
-        return Int8Conv2d(module, weight, bias)
-    return Int8Linear(module, weight, bias)
+    conv = isinstance(module, torch.nn.Conv2d)
+    if mode == "int8":
+        return (Int8Conv2d if conv else Int8Linear)(module, weight, bias)
+    if mode == "stream":
+        return (StreamedConv2d if conv else StreamedLinear)(module, weight, bias)
+    raise ValueError(f"unknown mode {mode!r}")
 
 
 def candidates(root: torch.nn.Module, skip=lambda name: False) -> list[tuple[str, torch.nn.Module]]:

@@ -36,6 +36,7 @@ import torch
 from ..errors import is_out_of_memory
 from ..graphs import CaptureFailed, GraphCache, backend_name
 from ..logger import logger
+from ..memory import prefetch
 from . import status
 from .channels_last import LayoutSwap
 
@@ -642,6 +643,9 @@ class CudaGraphPatch:
                     **kw,
                 )
             finally:
+                # the Memory Pool's weights prepared ahead on their side streams join first
+                # (inside a capture, every forked stream must be joined before it ends)
+                prefetch.end_pass()
                 if side is not None:  # join, whatever the UNet read
                     torch.cuda.current_stream().wait_stream(side)
 

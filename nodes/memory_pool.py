@@ -1,25 +1,28 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""ControlNet Memory Pool: ComfyUI glue for the memory levers (``memory/weight_compress.py``).
+"""ControlNet Memory Pool: ComfyUI glue for the memory levers (``memory/weight_compress.py``,
+``memory/prefetch.py``).
 
 What it does to a workflow's models, through ComfyUI's own extension points only:
 
-- **Compressed weights.** A clone of the MODEL's (and of the ControlNet's) ModelPatcher with one
-  *object patch* per large Linear/Conv2d: while the clone is loaded the layer is an int8 module
-  (``Int8Conv2d``/``Int8Linear``) and the fp16 original is out of the model tree, so ComfyUI's
-  loader moves only the int8 bytes to the GPU. Unpatching (another clone taking over, unload)
-  puts the originals back: stock nodes sharing the checkpoint never see int8 weights. The clone
+- **Compressed or streamed weights.** A clone of the MODEL's (and of the ControlNet's)
+  ModelPatcher with one *object patch* per large Linear/Conv2d: while the clone is loaded the
+  layer is an INT8 module (``Int8Conv2d``/``Int8Linear``: int8 weight in VRAM, expanded per
+  call) or a streamed one (``StreamedConv2d``/``StreamedLinear``: the weight as loaded in pinned
+  system RAM, copied in one layer ahead), and the fp16 original is out of the model tree, so
+  ComfyUI's loader moves only what stays in VRAM. Unpatching (another clone taking over,
+  unload) puts the originals back: stock nodes sharing the checkpoint never see them. The clone
   reports its real, smaller size to ComfyUI's memory manager (``ModelPatcher.size``) and gets a
   new ``patches_uuid``, so when it is loaded over a clone whose fp16 weights sit on the GPU,
   ComfyUI unpatches those first (they go back to the offload device) instead of keeping both.
+  A model ComfyUI had already loaded on the GPU is unloaded before it is compressed.
+- **Working memory told to ComfyUI.** A PREPARE_SAMPLING wrapper adds the pool's own working
+  memory (``MemoryPoolPatch.reserve_bytes``) to the estimate ComfyUI frees memory for before it
+  loads the run's models.
 - **Idle models out of the way.** Optionally, before sampling, unload from the GPU every model
   this sampling run does not use (typically the text encoder and the VAE, which ComfyUI keeps
   resident); ComfyUI loads them again when a later node needs them.
 - **Report.** Peak allocated and reserved VRAM of each sampling run, logged and kept in
   ``LAST_RUN`` for the front end.
-
-Weights that a LoRA patches are never compressed: the node skips layers with weight patches,
-and at sampling time (``OUTER_SAMPLE``) the model actually sampled is checked again, so a LoRA
-added *after* this node also keeps its layers in fp16 (one log line says how many).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 
 from ..errors import NodeInputError, is_out_of_memory
 from ..logger import logger
+from ..memory import prefetch
 from ..memory import weight_compress as wc
 from . import status
 from .fused_apply import context_width, family
@@ -50,12 +54,12 @@ _COMPRESSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @dataclasses.dataclass(frozen=True)
 class PoolOptions:
-    unet_weights: str = "int8"  # "int8" | "as loaded"
+    unet_weights: str = "int8"  # "int8" | "as loaded" | "stream"
     controlnet_weights: str = "int8"
     offload_idle_models: bool = False
 
 
-WEIGHT_MODES = ("int8", "as loaded")
+WEIGHT_MODES = ("int8", "as loaded", "stream")
 
 
 def _weight_key(w: torch.Tensor) -> tuple:
@@ -72,20 +76,23 @@ def _original(patcher, key: str, current: torch.Tensor | None) -> torch.Tensor |
     return bk.weight if bk is not None else current
 
 
-def _compressed_module(patcher, name: str, module, made: list) -> torch.nn.Module:
+def _compressed_module(patcher, name: str, module, made: list, mode: str) -> torch.nn.Module:
     w = _original(patcher, f"{name}.weight", module.weight)
     b = _original(patcher, f"{name}.bias", module.bias)
-    key = _weight_key(w)
+    key = (mode, _weight_key(w))
     with _lock:
         hit = _COMPRESSED.get(module)
     if hit is not None and hit[0] == key:
         return hit[1]
-    try:
-        c = wc.compress(module, _on_compute_device(patcher, w), b)
-    except Exception as e:  # no room on the GPU for one layer: the CPU does it, slower
-        if not is_out_of_memory(e):
-            raise
-        c = wc.compress(module, w, b)
+    if mode == "stream":  # a copy in pinned RAM: nothing to compute on the GPU
+        c = wc.compress(module, w, b, mode=mode)
+    else:
+        try:
+            c = wc.compress(module, _on_compute_device(patcher, w), b, mode=mode)
+        except Exception as e:  # no room on the GPU for one layer: the CPU does it, slower
+            if not is_out_of_memory(e):
+                raise
+            c = wc.compress(module, w, b, mode=mode)
     c = c.to(patcher.offload_device)
     with _lock:
         _COMPRESSED[module] = (key, c)
@@ -108,6 +115,7 @@ def _on_compute_device(patcher, w: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass
 class CompressReport:
     what: str = ""
+    mode: str = "int8"
     failed: str | None = None  # why the weights stayed as loaded (out of memory)
     layers: int = 0
     skipped_patched: int = 0
@@ -116,9 +124,16 @@ class CompressReport:
     seconds: float = 0.0
 
     def line(self, what: str) -> str:
+        where = "in VRAM " if self.mode == "stream" else ""
         return (
-            f"{what}: {self.layers} layers int8, weights {self.bytes_before / MiB:.0f} → "
-            f"{self.bytes_after / MiB:.0f} MiB"
+            f"{what}: {self.layers} layers {self.mode}, weights {where}"
+            f"{self.bytes_before / MiB:.0f} → {self.bytes_after / MiB:.0f} MiB"
+            + (
+                f" ({(self.bytes_before - self.bytes_after) / MiB:.0f} MiB streamed from "
+                "pinned RAM each step)"
+                if self.mode == "stream"
+                else ""
+            )
             + (f", {self.skipped_patched} LoRA-patched layers kept" if self.skipped_patched else "")
             + f" ({self.seconds:.1f} s)"
         )
@@ -143,25 +158,26 @@ def _layers(patcher, root, prefix: str) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-def compress_patcher(patcher, root_attr: str | None, what: str):
+def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int8"):
     """A clone of ``patcher`` whose large layers under ``patcher.model.<root_attr>`` (the whole
-    model when None) are int8 while it is loaded. Returns (clone, report)."""
+    model when None) are int8 (``mode`` "int8") or streamed from pinned RAM ("stream") while it
+    is loaded. Returns (clone, report)."""
     t0 = time.perf_counter()
     root = patcher.model if root_attr is None else getattr(patcher.model, root_attr)
     prefix = "" if root_attr is None else f"{root_attr}."
     patched = _patched_keys(patcher)
-    rep = CompressReport(what=what)
+    rep = CompressReport(what=what, mode=mode)
     clone = patcher.clone()
     made: list = []  # modules compressed by this call: forgotten again if it fails
     try:
         for name, module in _layers(patcher, root, prefix):
             full = prefix + name
-            if isinstance(patcher.object_patches.get(full), wc._Int8Weight):
+            if isinstance(patcher.object_patches.get(full), wc._Replaced):
                 continue  # compressed by an earlier Memory Pool node (counted in its size)
             if f"{full}.weight" in patched or f"{full}.bias" in patched:
                 rep.skipped_patched += 1
                 continue
-            c = _compressed_module(patcher, full, module, made)
+            c = _compressed_module(patcher, full, module, made, mode)
             clone.add_object_patch(full, c)
             rep.layers += 1
             rep.bytes_before += c.original_bytes()
@@ -188,7 +204,7 @@ def _drop_patched_layers(patcher) -> int:
     drop = [
         k
         for k, v in patcher.object_patches.items()
-        if isinstance(v, wc._Int8Weight) and (f"{k}.weight" in patched or f"{k}.bias" in patched)
+        if isinstance(v, wc._Replaced) and (f"{k}.weight" in patched or f"{k}.bias" in patched)
     ]
     for k in drop:
         c = patcher.object_patches.pop(k)
@@ -202,6 +218,55 @@ class MemoryPoolPatch:
         self.node_id = node_id  # the node whose badge gets the run's figures
         self.reports = reports if reports is not None else []  # CompressReports of its weights
         self._offloaded: list[str] = []
+        self._prefetch: dict = {}
+        self._graph_idle = 0  # the CUDA graph pool's idle bytes at the end of the last run
+        self.reserved = 0  # what the last run asked ComfyUI to keep free for the pool
+
+    def reserve_bytes(self, patchers=()) -> int:
+        """Working memory the pool needs beyond ComfyUI's own estimate of the step: the weight
+        of the INT8 layer running, expanded to fp16, and for streamed layers the one running
+        plus the one being copied in ahead (the largest of each kind among ``patchers``' replaced
+        layers); and the idle part of the CUDA graph pool, which ComfyUI's free-memory figure
+        counts as free under PyTorch's native allocator though only graph replays can use it
+        (measured at the end of the previous run: the pool is sized by the first)."""
+        largest = {"int8": 0, "stream": 0}
+        for p in patchers:
+            for obj in (getattr(p, "object_patches", None) or {}).values():
+                if isinstance(obj, wc._Replaced):
+                    kind = "stream" if isinstance(obj, wc._StreamedWeight) else "int8"
+                    largest[kind] = max(largest[kind], obj.original_bytes())
+        return largest["int8"] + 2 * largest["stream"] + self._graph_idle
+
+    def prepare_sampling_wrapper(self, executor, model, noise_shape, conds, model_options=None):
+        """ComfyUI sizes what it frees before loading the run's models from the model's
+        ``memory_required``; for this call it also counts the pool (``reserve_bytes``)."""
+        reserve = self.reserve_bytes(_patchers_of(model, conds))
+        base = getattr(model, "model", None)
+        orig = getattr(base, "memory_required", None)
+        if reserve <= 0 or not callable(orig):
+            return executor(model, noise_shape, conds, model_options=model_options)
+        had = "memory_required" in vars(base)
+
+        def memory_required(*args, **kwargs):
+            return orig(*args, **kwargs) + reserve
+
+        base.memory_required = memory_required
+        self.reserved = reserve
+        try:
+            return executor(model, noise_shape, conds, model_options=model_options)
+        finally:
+            if had:
+                base.memory_required = orig
+            else:
+                del base.memory_required
+
+    def calc_cond_batch_wrapper(self, executor, *args, **kwargs):
+        """One step: the weights prepared ahead are joined when it ends (eager steps; a CUDA
+        graph's step function joins them itself, inside its capture)."""
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            prefetch.end_pass()
 
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
@@ -225,12 +290,16 @@ class MemoryPoolPatch:
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
         ok = False
+        before = dict(prefetch.STATS)
         try:
             out = executor(*args, **kwargs)
             ok = True
             return out
         finally:
+            prefetch.end_pass()
+            self._prefetch = {k: prefetch.STATS[k] - before[k] for k in before}
             if cuda:
+                self._graph_idle = graph_pool_idle_bytes(dev)
                 fig = {
                     "peak_allocated_mib": torch.cuda.max_memory_allocated(dev) / MiB,
                     "peak_reserved_mib": torch.cuda.max_memory_reserved(dev) / MiB,
@@ -258,18 +327,77 @@ class MemoryPoolPatch:
             lines.append("peak VRAM: n/a (not on a CUDA GPU)")
         before = sum(r.bytes_before for r in self.reports)
         after = sum(r.bytes_after for r in self.reports)
-        if before:
-            lines.append(f"weights int8: {status.mib(before)} → {status.mib(after)}")
+        for mode in ("int8", "stream"):
+            rs = [r for r in self.reports if r.mode == mode and r.layers]
+            if rs:
+                b0 = sum(r.bytes_before for r in rs)
+                b1 = sum(r.bytes_after for r in rs)
+                name = "weights int8" if mode == "int8" else "weights in VRAM (streamed)"
+                lines.append(f"{name}: {status.mib(b0)} → {status.mib(b1)}")
+        if self.reserved:
+            lines.append(f"kept free for the pool: {status.mib(self.reserved)}")
+        pf = self._prefetch
+        if pf.get("prepared") or pf.get("direct"):
+            lines.append(
+                f"streamed layers copied ahead: {pf.get('used', 0)}, "
+                f"where used: {pf.get('direct', 0)}"
+            )
         failed = {r.what: r.failed for r in self.reports if r.failed}
         for what, why in failed.items():
             lines.append(f"{what} as loaded: {status.short(why, 40)}")
         if self._offloaded:
             lines.append("unloaded while sampling: " + ", ".join(self._offloaded))
-        data = {**fig, "weights_before": before, "weights_after": after}
+        data = {
+            **fig,
+            "weights_before": before,
+            "weights_after": after,
+            "prefetch": dict(pf),
+            "reserved": self.reserved,
+            "graph_pool_idle": self._graph_idle,
+        }
         if failed:
             data["int8_failed"] = failed
         data["offloaded"] = list(self._offloaded)
         status.report(self.node_id, "memory_pool", lines, data)
+
+
+def _patchers_of(model, conds) -> list:
+    """The sampled ModelPatcher and those of the ControlNets in ``conds`` (chains included)."""
+    out = [model]
+    try:
+        import comfy.sampler_helpers as sh
+
+        for k in conds or {}:
+            for c in sh.get_models_from_cond(conds[k], "control"):
+                while c is not None:
+                    p = getattr(c, "control_model_wrapped", None)
+                    if p is not None and p not in out:
+                        out.append(p)
+                    c = getattr(c, "previous_controlnet", None)
+    except Exception as e:  # a newer ComfyUI's conds: count the model's layers only
+        logger.debug("Memory Pool: ControlNets of the run unknown (%s)", e)
+    return out
+
+
+def graph_pool_idle_bytes(device) -> int:
+    """Bytes in CUDA graph private pools on ``device`` that no tensor uses. Under PyTorch's
+    native allocator ComfyUI counts them as free (reserved minus active), yet only graph
+    replays can use them. Under cudaMallocAsync graph memory is outside the pool PyTorch
+    reports and already counts as used: 0. Never fails: 0 when it cannot tell."""
+    try:
+        if torch.cuda.get_allocator_backend() != "native":
+            return 0
+        idx = torch.device(device).index
+        idx = torch.cuda.current_device() if idx is None else idx
+        idle = 0
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device") != idx or tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0):
+                continue
+            idle += sum(b["size"] for b in seg.get("blocks", []) if b.get("state") == "inactive")
+        return idle
+    except Exception as e:  # a newer PyTorch's snapshot format: report nothing rather than fail
+        logger.debug("Memory Pool: graph pool size unknown (%s)", e)
+        return 0
 
 
 def _models_of_run(guider) -> list:
@@ -296,14 +424,14 @@ def _park_originals(guider) -> None:
     for p in _models_of_run(guider):
         backup = getattr(p, "object_patches_backup", {}) or {}
         for key, obj in getattr(p, "object_patches", {}).items():
-            if not isinstance(obj, wc._Int8Weight):
+            if not isinstance(obj, wc._Replaced):
                 continue
             orig = backup.get(key)
             if orig is None:
                 import comfy.utils
 
                 orig = comfy.utils.get_attr(p.model, key)
-            if isinstance(orig, wc._Int8Weight) or not isinstance(orig, torch.nn.Module):
+            if isinstance(orig, wc._Replaced) or not isinstance(orig, torch.nn.Module):
                 continue
             w = getattr(orig, "weight", None)
             if isinstance(w, torch.Tensor) and w.device != torch.device(p.offload_device):
@@ -314,6 +442,39 @@ def _park_originals(guider) -> None:
 
         mm.soft_empty_cache()
         logger.info("Memory Pool: moved %d replaced fp16 layers off the GPU", moved)
+
+
+def _unload_from_gpu(patcher) -> None:
+    """Before its layers are replaced: unload ``patcher``'s model from the GPU the way ComfyUI
+    does (its weights go back to the offload device, its bookkeeping follows). Where ComfyUI
+    loaded a checkpoint straight to the GPU (more VRAM than RAM, as on the H200), the fp16
+    weights would otherwise sit there until sampling loads the replacement, the fp16 and INT8
+    copies side by side while compressing (measured: the prompt's peak). Compressing then
+    brings one layer at a time to the GPU. The sampler loads the compressed copy as usual;
+    a stock node using the checkpoint loads the original again, as ComfyUI always does."""
+    try:
+        import comfy.model_management as mm
+
+        unloaded = False
+        for i in range(len(mm.current_loaded_models) - 1, -1, -1):
+            lm = mm.current_loaded_models[i]
+            p = lm.model
+            if p is None or p.model is not patcher.model or lm.device.type != "cuda":
+                continue
+            if lm.model_unload():
+                mm.current_loaded_models.pop(i)
+                unloaded = True
+        if unloaded:
+            mm.soft_empty_cache()
+            logger.info(
+                "Memory Pool: unloaded the %s from the GPU to compress it", _what_of(patcher)
+            )
+    except Exception as e:  # a newer ComfyUI's memory manager: compress where the weights are
+        logger.warning("Memory Pool: could not unload the model before compressing (%s)", e)
+
+
+def _what_of(patcher) -> str:
+    return type(getattr(patcher, "model", patcher)).__name__
 
 
 def _offload_idle(guider) -> list[str]:
@@ -344,12 +505,15 @@ def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
     m = model
     reports: list[CompressReport] = []
     validate_inputs(model, control_net, options)
-    if options.unet_weights == "int8":
+    if options.unet_weights != "as loaded":
         if getattr(model.model, "diffusion_model", None) is None:
             logger.warning("Memory Pool: this MODEL has no diffusion_model; weights as loaded")
             m = model.clone()
         else:
-            got, rep = _compress_or_not(model, "diffusion_model", "diffusion model")
+            _unload_from_gpu(model)
+            got, rep = _compress_or_not(
+                model, "diffusion_model", "diffusion model", options.unet_weights
+            )
             m = got if got is not None else model.clone()
             reports.append(rep)
     else:
@@ -358,15 +522,27 @@ def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
         patch = MemoryPoolPatch(options, node_id, reports)
         m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, patch.outer_sample_wrapper)
+        if hasattr(pe.WrappersMP, "PREPARE_SAMPLING"):
+            m.remove_wrappers_with_key(pe.WrappersMP.PREPARE_SAMPLING, WRAPPER_KEY)
+            m.add_wrapper_with_key(
+                pe.WrappersMP.PREPARE_SAMPLING, WRAPPER_KEY, patch.prepare_sampling_wrapper
+            )
+        if hasattr(pe.WrappersMP, "CALC_COND_BATCH"):
+            m.remove_wrappers_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY)
+            m.add_wrapper_with_key(
+                pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, patch.calc_cond_batch_wrapper
+            )
     else:
         logger.warning("Memory Pool: this ComfyUI has no OUTER_SAMPLE wrapper; no VRAM report")
     cn = control_net
-    if cn is not None and options.controlnet_weights == "int8":
+    if cn is not None and options.controlnet_weights != "as loaded":
         why = why_not_compressible(cn)
         if why is not None:
             logger.warning("Memory Pool: ControlNet %s; its weights stay as loaded", why)
         else:
-            got, rep = _compress_or_not(control_net.control_model_wrapped, None, "ControlNet")
+            got, rep = _compress_or_not(
+                control_net.control_model_wrapped, None, "ControlNet", options.controlnet_weights
+            )
             if got is not None:
                 cn = cn.copy()
                 cn.control_model_wrapped = got
@@ -374,12 +550,12 @@ def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
     return m, cn
 
 
-def _compress_or_not(patcher, root_attr: str | None, what: str):
+def _compress_or_not(patcher, root_attr: str | None, what: str, mode: str = "int8"):
     """``compress_patcher``, or (None, a report saying why not) when memory runs out: the
     weights then stay as loaded and the workflow runs on."""
     failure = None
     try:
-        return compress_patcher(patcher, root_attr, what)
+        return compress_patcher(patcher, root_attr, what, mode)
     except Exception as e:
         if not is_out_of_memory(e):
             raise
@@ -393,7 +569,7 @@ def _compress_or_not(patcher, root_attr: str | None, what: str):
         what,
         failure,
     )
-    return None, CompressReport(what=what, failed=f"out of memory ({failure})")
+    return None, CompressReport(what=what, mode=mode, failed=f"out of memory ({failure})")
 
 
 def validate_inputs(model, control_net, options: PoolOptions) -> None:

@@ -38,14 +38,19 @@ class ControlNetMemoryPool(io.ComfyNode):
                     default=_D.unet_weights,
                     tooltip="int8: the diffusion model's large layers stored INT8 with a scale "
                     "per output channel (about half its VRAM; a slight change to the picture). "
-                    "'as loaded' leaves them exactly as they are.",
+                    "'as loaded' leaves them exactly as they are. stream: kept as loaded in "
+                    "pinned system RAM, not VRAM, and copied in layer by layer, one ahead, as "
+                    "they run (exact result; much slower: the whole model crosses PCIe every "
+                    "step).",
                 ),
                 io.Combo.Input(
                     "controlnet_weights",
                     options=list(WEIGHT_MODES),
                     default=_D.controlnet_weights,
                     tooltip="int8: the ControlNet's large layers stored INT8 (about half its "
-                    "VRAM). 'as loaded' leaves them exactly as they are.",
+                    "VRAM). 'as loaded' leaves them exactly as they are. stream: kept in pinned "
+                    "system RAM and copied in layer by layer as they run (no VRAM for its "
+                    "weights, exact result, slower: see the node's documentation).",
                 ),
                 io.Boolean.Input(
                     "offload_idle_models",

@@ -24,6 +24,18 @@ def test_rounding_error_is_at_most_half_a_step_per_channel():
     assert torch.isfinite(scale).all() and (q[3] == 0).all()
 
 
+def test_quantizing_a_few_rows_at_a_time_gives_the_whole_layer_result(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(37, 20, 3, 3, generator=g) * torch.rand(37, 1, 1, 1, generator=g)).half()
+    whole_q, whole_s = wc.quantize_per_channel(w)  # one chunk: 37 * 180 elements
+    monkeypatch.setattr(wc, "CHUNK_ELEMENTS", 400)  # 2 rows per chunk, the last one alone
+    q, s = wc.quantize_per_channel(w)
+    assert torch.equal(q, whole_q) and torch.equal(s, whole_s)
+    assert q.shape == w.shape and s.shape == (37, 1, 1, 1)
+    ref_s = w.float().reshape(37, -1).abs().amax(1) / 127
+    assert torch.equal(s.reshape(-1), ref_s)
+
+
 # fp16 runs on the GPU only (ComfyUI computes in fp32 or bf16 on the CPU)
 CASES = [
     (d, t)
@@ -65,7 +77,12 @@ def test_sizes_and_what_is_left_alone():
     assert c.compressed_bytes() == 64 * 64 * 9 + 64 * 4 + 64 * 2
     assert wc.why_not(torch.nn.Conv2d(4, 4, 1)) == "small"
     assert wc.why_not(torch.nn.GroupNorm(4, 64)) == "not a Linear or Conv2d"
-    assert wc.why_not(c) == "already compressed"
+    assert wc.why_not(c) == "already compressed or streamed"
+    st = wc.compress(conv, mode="stream")
+    assert st.compressed_bytes() == 64 * 2 and st.original_bytes() == 64 * 64 * 9 * 2 + 64 * 2
+    assert wc.why_not(st) == "already compressed or streamed"
+    assert [n for n, _ in st.named_parameters()] == ["bias"]  # the weight is no parameter
+    assert not list(st.buffers())
     circ = torch.nn.Conv2d(64, 64, 3, padding=1, padding_mode="circular")
     assert "padding_mode" in wc.why_not(circ)
     patched = torch.nn.Linear(128, 128)
@@ -73,6 +90,22 @@ def test_sizes_and_what_is_left_alone():
     assert "patched" in wc.why_not(patched)
     with pytest.raises(ValueError, match="small"):
         wc.compress(torch.nn.Linear(8, 8))
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_streamed_layers_compute_exactly_what_the_originals_compute(device, dtype):
+    g = torch.Generator().manual_seed(4)
+    conv = torch.nn.Conv2d(32, 48, 3, padding=1, stride=2).to(device, dtype)
+    lin = torch.nn.Linear(96, 80).to(device, dtype)
+    x = torch.randn(2, 32, 16, 16, generator=g).to(device, dtype)
+    y = torch.randn(2, 7, 96, generator=g).to(device, dtype)
+    for layer, inp in ((conv, x), (lin, y)):
+        s = wc.compress(layer, mode="stream")
+        assert s.host_weight.device.type == "cpu"
+        assert s.host_weight.is_pinned() == torch.cuda.is_available()
+        s.to(device)  # what ComfyUI's loader does: the bias moves, the weight stays in RAM
+        assert s.host_weight.device.type == "cpu"
+        assert torch.equal(s(inp), layer(inp))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
