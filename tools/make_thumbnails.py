@@ -3,7 +3,7 @@
 each example workflow is run in a real ComfyUI + headless Chromium on the tiny random-weight
 models (CPU), so the pack's badges show on its nodes, then the canvas is captured.
 
-    python tools/make_thumbnails.py
+    python tools/make_thumbnails.py [name ...]   (default: every example)
 
 Needs what the browser test needs (tests/e2e): a ComfyUI tree, its server requirements,
 selenium, and Debian's chromium + chromium-driver.
@@ -32,8 +32,13 @@ from comfyui_controlnet_accelerator.harness import (  # noqa: E402
 from comfyui_controlnet_accelerator.harness import workflows as wf  # noqa: E402
 
 
-def main() -> int:
+def main(only: list[str]) -> int:
     from PIL import Image
+
+    unknown = [n for n in only if n not in examples.EXAMPLES]
+    if unknown:
+        print(f"no such example: {', '.join(unknown)}", file=sys.stderr)
+        return 2
 
     tmp = Path(tempfile.mkdtemp(prefix="cna-thumbs-"))
     host = comfy_host.bootstrap(models_dir=tmp / "models", cpu=True)
@@ -52,7 +57,7 @@ def main() -> int:
         d = browser.chrome(tmp / "chromium", width=1700, height=1500)
         try:
             browser.open_app(d, srv.url)
-            for name in examples.EXAMPLES:
+            for name in only or list(examples.EXAMPLES):
                 browser.run_template(d, srv, name)
                 browser.wait_for(d, "Object.keys(window.cnaBadges).length > 0", 30, "badges")
                 browser.frame(d, 0.62)  # (LiteGraph drops text below 0.6) the card's graph
@@ -77,4 +82,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
