@@ -12,11 +12,15 @@
 # tokenizers SD1.5 does not use out of .comfy for that call (t5, qwen25, t5_pile, ace_lyrics,
 # hydit_clip under comfy/text_encoders/) and put them back afterwards.
 # Next GPU session, in order (see the last closing note):
-#   bash tools/gpu.sh soak --gpus 0,1 --prompts 200 --budget 480      (kind nvidia-h200-x2;
-#     ~560 s of device time; session 5's run was clean but predates the /free VRAM reading)
-#   bash tools/gpu.sh tests -q tests/host/test_feature_cache.py tests/host/test_faults.py -rfE
-#     (session 5's CPU-only changes: decision counters, GPU-quantize fallback)
-#   Memory Pool (#7): W2 peak 55% of stock (53% asked), +9-11% step time (5% asked).
+#   1. the W4 crash of session 6 (illegal memory access, first fused+graph run of W4, 2 of 5):
+#      bash tools/gpu.sh bench --workloads W4,W5 --variants fused+graph,pool_int8_offload+graph,\
+#        pool_int8_cn_stream+graph,pool_cn_stream+graph --rounds 2 --no-profile --cold-memory
+#      (repeat; on a crash, again with concurrent_controlnet off: variant fused+graph_serial)
+#   2. bash tools/gpu.sh tests -q -rfE tests/host/test_memory_pool.py tests/memory
+#      (session 6's GPU-only tests: graph-pool idle size, unload before compressing, the
+#      clone-size test's device fix; the prefetch/stream CUDA tests passed)
+#   3. the soak again (kind nvidia-h200-x2) for the /free VRAM reading:
+#      bash tools/gpu.sh soak --gpus 0,1 --prompts 200 --budget 480
 set -uo pipefail
 OUT=${OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
