@@ -213,14 +213,25 @@ def _drop_patched_layers(patcher) -> int:
 
 
 class MemoryPoolPatch:
-    def __init__(self, options: PoolOptions, node_id=None, reports: list | None = None):
+    def __init__(
+        self, options: PoolOptions, node_id=None, reports: list | None = None, earlier=None
+    ):
         self.options = options
         self.node_id = node_id  # the node whose badge gets the run's figures
         self.reports = reports if reports is not None else []  # CompressReports of its weights
+        # Memory Pool nodes chained before this one on the same model (one per ControlNet):
+        # one wrapper serves them all, each badge gets the run's figures and its own weights
+        self.earlier: list[tuple] = list(getattr(earlier, "nodes", []))
+        self.offload = options.offload_idle_models or bool(getattr(earlier, "offload", False))
         self._offloaded: list[str] = []
         self._prefetch: dict = {}
         self._graph_idle = 0  # the CUDA graph pool's idle bytes at the end of the last run
         self.reserved = 0  # what the last run asked ComfyUI to keep free for the pool
+
+    @property
+    def nodes(self) -> list[tuple]:
+        """(node id, its CompressReports) of this node and the ones chained before it."""
+        return [*self.earlier, (self.node_id, self.reports)]
 
     def reserve_bytes(self, patchers=()) -> int:
         """Working memory the pool needs beyond ComfyUI's own estimate of the step: the weight
@@ -280,7 +291,7 @@ class MemoryPoolPatch:
         except Exception as e:  # never fail the run over memory placement
             logger.warning("Memory Pool: could not move replaced weights off the GPU (%s)", e)
         self._offloaded = []
-        if self.options.offload_idle_models:
+        if self.offload:
             try:
                 self._offloaded = _offload_idle(guider)
             except Exception as e:  # a newer ComfyUI's memory manager: never fail the run
@@ -317,48 +328,49 @@ class MemoryPoolPatch:
                 self._report(fig if cuda else {"completed": ok})
 
     def _report(self, fig: dict) -> None:
-        lines = []
+        shared = []
         if "peak_allocated_mib" in fig:
-            lines.append(
+            shared.append(
                 f"peak VRAM {status.mib(fig['peak_allocated_mib'] * MiB)} "
                 f"(reserved {status.mib(fig['peak_reserved_mib'] * MiB)})"
             )
         else:
-            lines.append("peak VRAM: n/a (not on a CUDA GPU)")
-        before = sum(r.bytes_before for r in self.reports)
-        after = sum(r.bytes_after for r in self.reports)
-        for mode in ("int8", "stream"):
-            rs = [r for r in self.reports if r.mode == mode and r.layers]
-            if rs:
-                b0 = sum(r.bytes_before for r in rs)
-                b1 = sum(r.bytes_after for r in rs)
-                name = "weights int8" if mode == "int8" else "weights in VRAM (streamed)"
-                lines.append(f"{name}: {status.mib(b0)} → {status.mib(b1)}")
+            shared.append("peak VRAM: n/a (not on a CUDA GPU)")
+        tail = []
         if self.reserved:
-            lines.append(f"kept free for the pool: {status.mib(self.reserved)}")
+            tail.append(f"kept free for the pool: {status.mib(self.reserved)}")
         pf = self._prefetch
         if pf.get("prepared") or pf.get("direct"):
-            lines.append(
+            tail.append(
                 f"streamed layers copied ahead: {pf.get('used', 0)}, "
                 f"where used: {pf.get('direct', 0)}"
             )
-        failed = {r.what: r.failed for r in self.reports if r.failed}
-        for what, why in failed.items():
-            lines.append(f"{what} as loaded: {status.short(why, 40)}")
         if self._offloaded:
-            lines.append("unloaded while sampling: " + ", ".join(self._offloaded))
-        data = {
-            **fig,
-            "weights_before": before,
-            "weights_after": after,
-            "prefetch": dict(pf),
-            "reserved": self.reserved,
-            "graph_pool_idle": self._graph_idle,
-        }
-        if failed:
-            data["int8_failed"] = failed
-        data["offloaded"] = list(self._offloaded)
-        status.report(self.node_id, "memory_pool", lines, data)
+            tail.append("unloaded while sampling: " + ", ".join(self._offloaded))
+        for node_id, reports in self.nodes:
+            lines = list(shared)
+            for mode in ("int8", "stream"):
+                rs = [r for r in reports if r.mode == mode and r.layers]
+                if rs:
+                    b0 = sum(r.bytes_before for r in rs)
+                    b1 = sum(r.bytes_after for r in rs)
+                    name = "weights int8" if mode == "int8" else "weights in VRAM (streamed)"
+                    lines.append(f"{name}: {status.mib(b0)} → {status.mib(b1)}")
+            failed = {r.what: r.failed for r in reports if r.failed}
+            for what, why in failed.items():
+                lines.append(f"{what} as loaded: {status.short(why, 40)}")
+            data = {
+                **fig,
+                "weights_before": sum(r.bytes_before for r in reports),
+                "weights_after": sum(r.bytes_after for r in reports),
+                "prefetch": dict(pf),
+                "reserved": self.reserved,
+                "graph_pool_idle": self._graph_idle,
+                "offloaded": list(self._offloaded),
+            }
+            if failed:
+                data["int8_failed"] = failed
+            status.report(node_id, "memory_pool", lines + tail, data)
 
 
 def _patchers_of(model, conds) -> list:
@@ -519,7 +531,15 @@ def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
     else:
         m = model.clone()
     if hasattr(pe, "WrappersMP") and hasattr(pe.WrappersMP, "OUTER_SAMPLE"):
-        patch = MemoryPoolPatch(options, node_id, reports)
+        earlier = next(
+            (
+                getattr(w, "__self__", None)
+                for w in m.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+                if isinstance(getattr(w, "__self__", None), MemoryPoolPatch)
+            ),
+            None,
+        )
+        patch = MemoryPoolPatch(options, node_id, reports, earlier)
         m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, patch.outer_sample_wrapper)
         if hasattr(pe.WrappersMP, "PREPARE_SAMPLING"):

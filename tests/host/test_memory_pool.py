@@ -311,6 +311,27 @@ def test_a_model_loaded_on_the_gpu_is_unloaded_before_compressing(host, tiny_mod
     assert any(isinstance(v, mp.wc._Int8Weight) for v in m.object_patches.values())
 
 
+def test_chained_pool_nodes_each_get_their_badge(host, tiny_models):
+    """One Memory Pool per ControlNet, chained on the model: one wrapper serves the run, and
+    every node's badge shows the run's peak and the weights that node compressed."""
+    import folder_paths
+
+    status = sys.modules[host.pack_module_name].nodes.status
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), T2)
+    p, ids = wf.build_prompt(T2, 5, hints, VARIANTS["pool_int8"])
+    pools = [v for k, v in ids.items() if k.startswith("pool_")]
+    assert len(pools) == 2
+    status.LAST.clear()
+    runner.Runner().run(p, ids)
+    first, second = (status.LAST.get(str(n)) for n in pools)
+    assert first is not None and second is not None
+    for badge in (first, second):
+        assert badge["lines"][0].startswith("peak VRAM")
+        assert any(line.startswith("weights int8") for line in badge["lines"])
+    # the first compressed the UNet and its ControlNet, the second only its ControlNet
+    assert first["data"]["weights_before"] > 2 * second["data"]["weights_before"] > 0
+
+
 def test_unsupported_controlnets_pass_through(host, tiny_models):
     mp = _mp(host)
     model, cn = _loaded(tiny_models)
