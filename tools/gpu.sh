@@ -7,15 +7,17 @@
 #   bash tools/gpu.sh kernels                 the kernel microbenchmark, results under $OUT
 #   bash tools/gpu.sh soak [soak args]        the soak run (real ComfyUI servers), under $OUT
 #   bash tools/gpu.sh mem [args]              where a run's peak VRAM goes, under $OUT
+#   bash tools/gpu.sh repro [N]               session 6's W4 crash: N fresh processes each of
+#                                             W4 fused+graph (concurrent) and fused+graph_serial
 # The soak's servers need comfyui-frontend-package on the GPU machine: keep its wheel in .whl.
 # .whl (av + frontend) and .comfy together exceed the 64 MiB a call may carry; move the
 # tokenizers SD1.5 does not use out of .comfy for that call (t5, qwen25, t5_pile, ace_lyrics,
 # hydit_clip under comfy/text_encoders/) and put them back afterwards.
 # Next GPU session, in order (see the last closing note):
 #   1. the W4 crash of session 6 (illegal memory access, first fused+graph run of W4, 2 of 5):
+#      bash tools/gpu.sh repro 4    (~4 min), then, fixed or not reproduced:
 #      bash tools/gpu.sh bench --workloads W4,W5 --variants fused+graph,pool_int8_offload+graph,\
 #        pool_int8_cn_stream+graph,pool_cn_stream+graph --rounds 2 --no-profile --cold-memory
-#      (repeat; on a crash, again with concurrent_controlnet off: variant fused+graph_serial)
 #   2. bash tools/gpu.sh tests -q -rfE tests/host/test_memory_pool.py tests/memory
 #      (session 6's GPU-only tests: graph-pool idle size, unload before compressing, the
 #      clone-size test's device fix; the prefetch/stream CUDA tests passed)
@@ -48,5 +50,15 @@ case "$what" in
   kernels) python3 benchmark.py --kernels --out "$OUT" "$@" ;;
   soak) python3 benchmark.py --soak --out "$OUT" "$@" ;;
   mem) python3 benchmark.py --mem-breakdown --out "$OUT" "$@" ;;
-  *) echo "usage: tools/gpu.sh tests|bench|kernels|soak|mem [args]" >&2; exit 2 ;;
+  repro)
+    # one fresh process per attempt (the crash aborted the process); the tally is the answer
+    mkdir -p "$OUT/repro"
+    for i in $(seq 1 "${1:-4}"); do
+      for v in fused+graph fused+graph_serial; do
+        python3 benchmark.py --out "$OUT/repro" --workloads W4 --variants "$v" --rounds 1 \
+          --no-profile --cold-memory >"$OUT/repro/$v-$i.log" 2>&1
+        echo "attempt $i $v: rc=$? $(grep -c 'illegal memory access' "$OUT/repro/$v-$i.log")"
+      done
+    done ;;
+  *) echo "usage: tools/gpu.sh tests|bench|kernels|soak|mem|repro [args]" >&2; exit 2 ;;
 esac
