@@ -12,7 +12,8 @@
 # The soak's servers need comfyui-frontend-package on the GPU machine: keep its wheel in .whl.
 # .whl (av + frontend) and .comfy together exceed the 64 MiB a call may carry; move the
 # tokenizers SD1.5 does not use out of .comfy for that call (t5, qwen25, t5_pile, ace_lyrics,
-# hydit_clip under comfy/text_encoders/) and put them back afterwards.
+# hydit_clip under comfy/text_encoders/) and put them back afterwards. Calls other than the soak
+# do not need the frontend wheel: move it out of .whl for them instead (session 6 did).
 # Next GPU session, in order (see the last closing note):
 #   1. the W4 crash of session 6 (illegal memory access, first fused+graph run of W4, 2 of 5):
 #      bash tools/gpu.sh repro 4    (~4 min), then, fixed or not reproduced:
