@@ -99,3 +99,13 @@ def tiny_models(host, models_dir):
     return random_models.ensure_models(
         ["sd15-tiny", "sd15-tiny-cn-a", "sd15-tiny-cn-b"], models_dir
     )
+
+
+@pytest.fixture
+def graph_backend(host, monkeypatch):
+    """Host tests of the graph path run the emulated backend on the CPU (same code, no CUDA
+    capture) and real CUDA graphs on a GPU. Modules opt in with ``usefixtures``, so host tests
+    of the CPU's own no-graph path are left alone."""
+    if host.cpu:
+        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
+    return "emulate" if host.cpu else "cuda"

@@ -26,7 +26,7 @@ from comfyui_controlnet_accelerator.harness.quick import (
     _positive_only,
 )
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 
 # 9 steps, every 3rd computed, at most 2 reuses in a row: C R R C R R C R C (5 reused). A graph
 # path that refuses the first reuse after the eager fill gives C C R R C R R C C (a different
@@ -34,12 +34,6 @@ pytestmark = pytest.mark.host
 WL = wf.WORKLOADS["T1"].with_(steps=9)
 EVERY3 = _feature_cache(mode="every_n", every_n=3, max_reuse=2)
 EVERY2 = _feature_cache(mode="every_n", every_n=2, max_reuse=1)
-
-
-@pytest.fixture(autouse=True)
-def graph_backend(host, monkeypatch):
-    if host.cpu:
-        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
 
 
 def _pack(host):

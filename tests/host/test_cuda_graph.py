@@ -20,15 +20,8 @@ from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 MIN_PSNR_GPU = 60.0
-
-
-@pytest.fixture(autouse=True)
-def graph_backend(host, monkeypatch):
-    if host.cpu:
-        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
-    return "emulate" if host.cpu else "cuda"
 
 
 def _cg(host):

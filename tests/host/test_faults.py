@@ -84,7 +84,7 @@ from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain, _feature_cache
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 
 T1 = wf.WORKLOADS["T1"].with_(steps=6)
 T2 = wf.WORKLOADS["T2"].with_(steps=6)
@@ -92,12 +92,6 @@ GRAPH = VARIANTS["cuda_graph"]
 EVERY2 = _feature_cache(mode="every_n", every_n=2, max_reuse=1)
 NEVER = _feature_cache(mode="adaptive", threshold=0.0, max_reuse=3)  # stores, never reuses
 OOM = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-
-
-@pytest.fixture(autouse=True)
-def graph_backend(host, monkeypatch):
-    if host.cpu:
-        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
 
 
 def _pack(host):

@@ -18,18 +18,12 @@ from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain, _feature_cache
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 
 WL = wf.WORKLOADS["T1"].with_(steps=8)
 EVERY2 = _feature_cache(mode="every_n", every_n=2, max_reuse=1)
 EVERY3 = _feature_cache(mode="every_n", every_n=3, max_reuse=2)
 NEVER = _feature_cache(mode="adaptive", threshold=0.0, max_reuse=3)
-
-
-@pytest.fixture(autouse=True)
-def graph_backend(host, monkeypatch):
-    if host.cpu:
-        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
 
 
 def _fc(host):

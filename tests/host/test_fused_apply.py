@@ -17,16 +17,10 @@ from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 
 FUSED = VARIANTS["fused"]
 THREE = wf.WORKLOADS["T2"].with_(controlnets=("sd15-tiny-cn-a", "sd15-tiny-cn-b", "sd15-tiny-cn-a"))
-
-
-@pytest.fixture(autouse=True)
-def graph_backend(host, monkeypatch):
-    if host.cpu:
-        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
 
 
 def _fa(host):

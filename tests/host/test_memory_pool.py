@@ -13,19 +13,13 @@ from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _memory_pool
 
-pytestmark = pytest.mark.host
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 
 T1 = wf.WORKLOADS["T1"]
 T2 = wf.WORKLOADS["T2"]
 # INT8 weights change the result a little; on these tiny random models the latent stays
 # above 50 dB (measured 54–56); 35 dB is the fidelity floor for the real shapes.
 MIN_PSNR = 35.0
-
-
-@pytest.fixture(autouse=True)
-def graph_backend(host, monkeypatch):
-    if host.cpu:
-        monkeypatch.setenv("CNA_GRAPH_BACKEND", "emulate")
 
 
 def _mp(host):
