@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
+from ..logger import logger
 from . import prefetch
 
 # Layers smaller than this stay as they are: their bytes do not matter and they are often
@@ -116,8 +117,9 @@ class _Int8Weight(_Replaced):
     """INT8 weight + fp32 scale per output channel, as (frozen) parameters that ComfyUI's
     loader moves to the GPU; expanded to the input's dtype where the layer runs."""
 
-    def __init__(self, layer, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__(layer, bias)
+    def __init__(self, layer, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+        super().__init__(layer, layer.bias if bias is None else bias)
+        weight = layer.weight if weight is None else weight  # None: the layer's own
         q, scale = quantize_per_channel(weight)
         self.q = torch.nn.Parameter(q, requires_grad=False)
         self.scale = torch.nn.Parameter(scale, requires_grad=False)
@@ -139,17 +141,11 @@ class _Int8Weight(_Replaced):
 
 
 class Int8Linear(_Int8Weight):
-    def __init__(self, layer: torch.nn.Linear, weight=None, bias=None):
-        super().__init__(
-            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
-        )
+    pass
 
 
 class Int8Conv2d(_Int8Weight):
-    def __init__(self, layer: torch.nn.Conv2d, weight=None, bias=None):
-        super().__init__(
-            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
-        )
+    pass
 
 
 class _StreamedWeight(_Replaced):
@@ -158,14 +154,15 @@ class _StreamedWeight(_Replaced):
     for each call, one layer ahead on a side stream (``prefetch.py``) so the copy overlaps the
     layer before. Lossless: the layer computes with the very values it was loaded with."""
 
-    def __init__(self, layer, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__(layer, bias)
+    def __init__(self, layer, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+        super().__init__(layer, layer.bias if bias is None else bias)
+        weight = layer.weight if weight is None else weight
         host = torch.empty(weight.shape, dtype=weight.dtype, device="cpu")
         if torch.cuda.is_available():
             try:
                 host = host.pin_memory()  # asynchronous copies, capturable in a CUDA graph
-            except RuntimeError:  # no room for page-locked memory: pageable, synchronous
-                pass
+            except RuntimeError as e:  # no room for page-locked memory: pageable, synchronous
+                _warn_pageable(e)
         host.copy_(weight.detach())
         self.host_weight = host
         self.weight_dtype = weight.dtype
@@ -194,18 +191,27 @@ class _StreamedWeight(_Replaced):
         return self.host_weight.numel() * self.host_weight.element_size() + self._bias_bytes()
 
 
-class StreamedLinear(_StreamedWeight):
-    def __init__(self, layer: torch.nn.Linear, weight=None, bias=None):
-        super().__init__(
-            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
+_pageable_warned = False
+
+
+def _warn_pageable(err: Exception) -> None:
+    global _pageable_warned
+    if not _pageable_warned:
+        _pageable_warned = True
+        logger.warning(
+            "ControlNet Memory Pool: the system could not page-lock RAM for streamed weights "
+            "(%s); they are copied synchronously instead, slower, and the CUDA Graph node runs "
+            "those steps eager. Free some RAM, or set the Memory Pool's weights to 'int8'.",
+            err,
         )
+
+
+class StreamedLinear(_StreamedWeight):
+    pass
 
 
 class StreamedConv2d(_StreamedWeight):
-    def __init__(self, layer: torch.nn.Conv2d, weight=None, bias=None):
-        super().__init__(
-            layer, layer.weight if weight is None else weight, layer.bias if bias is None else bias
-        )
+    pass
 
 
 def why_not(module: torch.nn.Module) -> str | None:

@@ -251,7 +251,12 @@ class MemoryPoolPatch:
     def prepare_sampling_wrapper(self, executor, model, noise_shape, conds, model_options=None):
         """ComfyUI sizes what it frees before loading the run's models from the model's
         ``memory_required``; for this call it also counts the pool (``reserve_bytes``)."""
-        reserve = self.reserve_bytes(_patchers_of(model, conds))
+        try:
+            patchers = _models_of(model, conds)
+        except Exception as e:  # a newer ComfyUI's conds: count the model's layers only
+            logger.debug("Memory Pool: models of the run unknown (%s)", e)
+            patchers = [model]
+        reserve = self.reserve_bytes(patchers)
         base = getattr(model, "model", None)
         orig = getattr(base, "memory_required", None)
         if reserve <= 0 or not callable(orig):
@@ -373,24 +378,6 @@ class MemoryPoolPatch:
             status.report(node_id, "memory_pool", lines + tail, data)
 
 
-def _patchers_of(model, conds) -> list:
-    """The sampled ModelPatcher and those of the ControlNets in ``conds`` (chains included)."""
-    out = [model]
-    try:
-        import comfy.sampler_helpers as sh
-
-        for k in conds or {}:
-            for c in sh.get_models_from_cond(conds[k], "control"):
-                while c is not None:
-                    p = getattr(c, "control_model_wrapped", None)
-                    if p is not None and p not in out:
-                        out.append(p)
-                    c = getattr(c, "previous_controlnet", None)
-    except Exception as e:  # a newer ComfyUI's conds: count the model's layers only
-        logger.debug("Memory Pool: ControlNets of the run unknown (%s)", e)
-    return out
-
-
 def graph_pool_idle_bytes(device) -> int:
     """Bytes in CUDA graph private pools on ``device`` that no tensor uses. Under PyTorch's
     native allocator ComfyUI counts them as free (reserved minus active), yet only graph
@@ -414,11 +401,15 @@ def graph_pool_idle_bytes(device) -> int:
 
 def _models_of_run(guider) -> list:
     """The ModelPatchers this sampling run loads: the model, its ControlNets and extras."""
+    return _models_of(guider.model_patcher, getattr(guider, "conds", None) or {})
+
+
+def _models_of(patcher, conds) -> list:
+    """``patcher`` and the ModelPatchers sampling it with ``conds`` loads beside it (the
+    ControlNets' and other additional models, as ComfyUI's prepare_sampling collects them)."""
     import comfy.sampler_helpers as sh
 
-    patcher = guider.model_patcher
     models = [patcher]
-    conds = getattr(guider, "conds", None) or {}
     extra, _ = sh.get_additional_models(conds, patcher.model_dtype())
     models += extra
     models += patcher.get_nested_additional_models()

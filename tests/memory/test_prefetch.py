@@ -123,15 +123,21 @@ def test_prefetch_off_expands_each_weight_where_it_is_used():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-@cuda
-@pytest.mark.cuda
-def test_side_stream_results_equal_direct_expansion_on_the_gpu():
+def _gpu_net_and_refs():
+    """(net, x, result, result with the middle layer skipped), each weight copied where used;
+    lanes forgotten afterwards."""
     net = Net("cuda", torch.float16)
     x = torch.randn(64, 96, device="cuda", dtype=torch.float16)
     with prefetch.enabled(False):
-        ref = net(x)
-        ref_skip = net(x, skip=True)
+        ref, ref_skip = net(x), net(x, skip=True)
     prefetch.reset()
+    return net, x, ref, ref_skip
+
+
+@cuda
+@pytest.mark.cuda
+def test_side_stream_results_equal_direct_expansion_on_the_gpu():
+    net, x, ref, ref_skip = _gpu_net_and_refs()
     for skip, want in ((False, ref), (False, ref), (True, ref_skip), (False, ref)):
         y, s = _run(net, x, skip)
         torch.cuda.synchronize()
@@ -143,11 +149,7 @@ def test_side_stream_results_equal_direct_expansion_on_the_gpu():
 @cuda
 @pytest.mark.cuda
 def test_prepared_weights_inside_a_cuda_graph_replay_to_the_eager_result():
-    net = Net("cuda", torch.float16)
-    x = torch.randn(64, 96, device="cuda", dtype=torch.float16)
-    with prefetch.enabled(False):
-        ref = net(x)
-    prefetch.reset()
+    net, x, ref, _ = _gpu_net_and_refs()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on the capture stream: the lane learns there

@@ -45,13 +45,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("device,dtype", CASES)
-def test_int8_layers_compute_with_the_dequantized_weight(device, dtype):
-    g = torch.Generator().manual_seed(1)
+def _conv_and_linear(device, dtype, seed):
+    """A strided Conv2d and a Linear with an input each: ((conv, x), (lin, y))."""
+    g = torch.Generator().manual_seed(seed)
     conv = torch.nn.Conv2d(32, 48, 3, padding=1, stride=2).to(device, dtype)
     lin = torch.nn.Linear(96, 80).to(device, dtype)
     x = torch.randn(2, 32, 16, 16, generator=g).to(device, dtype)
     y = torch.randn(2, 7, 96, generator=g).to(device, dtype)
+    return (conv, x), (lin, y)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_int8_layers_compute_with_the_dequantized_weight(device, dtype):
+    (conv, x), (lin, y) = _conv_and_linear(device, dtype, seed=1)
     for layer, inp, fn in ((conv, x, torch.nn.functional.conv2d), (lin, y, None)):
         c = wc.compress(layer)
         out = c(inp)
@@ -94,12 +100,7 @@ def test_sizes_and_what_is_left_alone():
 
 @pytest.mark.parametrize("device,dtype", CASES)
 def test_streamed_layers_compute_exactly_what_the_originals_compute(device, dtype):
-    g = torch.Generator().manual_seed(4)
-    conv = torch.nn.Conv2d(32, 48, 3, padding=1, stride=2).to(device, dtype)
-    lin = torch.nn.Linear(96, 80).to(device, dtype)
-    x = torch.randn(2, 32, 16, 16, generator=g).to(device, dtype)
-    y = torch.randn(2, 7, 96, generator=g).to(device, dtype)
-    for layer, inp in ((conv, x), (lin, y)):
+    for layer, inp in _conv_and_linear(device, dtype, seed=4):
         s = wc.compress(layer, mode="stream")
         assert s.host_weight.device.type == "cpu"
         assert s.host_weight.is_pinned() == torch.cuda.is_available()
@@ -139,3 +140,24 @@ def test_quantizing_on_the_gpu_gives_the_cpu_result():
         assert (d > 0).float().mean().item() <= 1e-4, msg
         err = (q_gpu.float() * s_gpu - w.float()).abs()
         assert (err <= s_gpu * (0.5 + 1e-4)).all(), msg
+
+
+def test_no_page_locked_ram_streams_pageable_and_says_so(monkeypatch, caplog):
+    """Pinning fails (RAM limits): the layer still computes exactly, from pageable memory, and
+    one warning names the node, the cause and the way out."""
+
+    def refuse(self, *a, **k):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    monkeypatch.setattr(wc, "_pageable_warned", False)
+    lin = torch.nn.Linear(96, 80)
+    with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
+        s1 = wc.compress(lin, mode="stream")
+        s2 = wc.compress(lin, mode="stream")
+    assert not s1.host_weight.is_pinned() and not s2.host_weight.is_pinned()
+    warned = [r.message for r in caplog.records if "page-lock" in r.message]
+    assert len(warned) == 1 and "Memory Pool" in warned[0] and "'int8'" in warned[0]
+    x = torch.randn(3, 96)
+    assert torch.equal(s1(x), lin(x))
