@@ -146,6 +146,16 @@ class _JoinOnUse(dict):
         return super().items()
 
 
+def _residual_tensors(control: dict) -> list[torch.Tensor]:
+    """Every tensor of a ControlNet residual dict (``{"input": [...], "middle": [...], ...}``)."""
+    out = []
+    for v in control.values():
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
 def _chain(control) -> list:
     """The control objects of a chain, innermost (evaluated first) to outermost."""
     out = []
@@ -618,6 +628,7 @@ class CudaGraphPatch:
             by_name = dict(zip(names, static, strict=True))
             kw = {k: by_name.get(k, v) for k, v in kwargs.items()}
             ctrl = side = None
+            held: list[torch.Tensor] = []
             if call is not None:
                 _, _, cond, batched_number, call_topts = call.args
                 cond_s = {k: by_name.get(f"cond.{k}", by_name.get(k, v)) for k, v in cond.items()}
@@ -629,6 +640,7 @@ class CudaGraphPatch:
                         by_name["x"], by_name["t"], cond_s, batched_number, call_topts
                     )
                 if side is not None and isinstance(ctrl, dict):
+                    held = _residual_tensors(ctrl)
                     ev = torch.cuda.Event()
                     ev.record(side)
                     ctrl = _JoinOnUse(ctrl, ev)
@@ -647,7 +659,19 @@ class CudaGraphPatch:
                 # (inside a capture, every forked stream must be joined before it ends)
                 prefetch.end_pass()
                 if side is not None:  # join, whatever the UNet read
-                    torch.cuda.current_stream().wait_stream(side)
+                    cur = torch.cuda.current_stream()
+                    if held:
+                        # The residuals were allocated on the side stream, so their memory is
+                        # freed there: that free must follow the UNet's reads on this stream.
+                        # Dropped as the UNet pops them, they were freed in the side stream's
+                        # order only; in a graph captured under cudaMallocAsync such a free is
+                        # a node the reads need not precede, and the replay may hand the memory
+                        # to another allocation while they run (session 6's illegal memory
+                        # access at SDXL, one run in three). Held to here, freed after the wait.
+                        side.wait_stream(cur)
+                        ctrl = None
+                        held.clear()
+                    cur.wait_stream(side)
 
         if plan.key in cache.failed:
             st.note_eager(f"capture failed earlier: {cache.failed[plan.key]}")

@@ -368,6 +368,40 @@ def test_controlnets_on_a_second_stream_match_stock(host, tiny_models, case):
     assert torch.equal(again.latent, conc.latent)
 
 
+def test_side_stream_residuals_live_until_the_unet_has_read_them(host, tiny_models, monkeypatch):
+    """Residuals made on the ControlNets' stream are freed on that stream, so they must not be
+    freed as the UNet pops them (that free would not be ordered after the UNet's reads: in a
+    graph captured under cudaMallocAsync, session 6's illegal memory access). Each one the UNet
+    pops stays alive until its last block, and is gone once the step function has returned."""
+    if host.cpu:
+        pytest.skip("GPU only: on the CPU there is no second stream (concurrent_controlnet)")
+    import importlib
+    import weakref
+
+    cg = _cg(host)
+    oam = importlib.import_module("comfy.ldm.modules.diffusionmodules.openaimodel")
+    orig = oam.apply_control
+    st = {"control": None, "popped": [], "forwards": 0, "early": 0, "kept": 0}
+
+    def spy(h, control, name):
+        if isinstance(control, cg._JoinOnUse):
+            if control is not st["control"]:  # a new step function call
+                st["kept"] += sum(r() is not None for r in st["popped"])
+                st["control"], st["popped"] = control, []
+                st["forwards"] += 1
+            st["early"] += sum(r() is None for r in st["popped"])
+            if name in control and len(control[name]) > 0 and control[name][-1] is not None:
+                st["popped"].append(weakref.ref(control[name][-1]))
+        return orig(h, control, name)
+
+    monkeypatch.setattr(oam, "apply_control", spy)
+    wl = CASES["2cn"].with_(steps=6)
+    _run(runner.Runner(), wl, 23, VARIANTS["fused+graph_cc"])
+    assert st["forwards"] >= 2, st  # warm-up and capture ran the function eagerly
+    assert st["early"] == 0, st  # popped, read, and still alive while the UNet runs
+    assert st["kept"] == 0, st  # and not kept past the step (so the check above can fail)
+
+
 def test_join_on_use_waits_only_for_residuals_it_hands_out(host):
     cg = _cg(host)
     waits = []
