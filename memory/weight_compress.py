@@ -35,6 +35,36 @@ from . import prefetch
 # precision-critical (time embeddings, small projections).
 MIN_NUMEL = 4096
 
+# INT8 layers cost one expansion kernel per call whatever their size: about 1.7 µs inside a
+# CUDA graph on the H200, as long as expanding 1.3 M weights takes at full speed (kernel
+# microbenchmark, 2026-11-30). Below SMALL_NUMEL weights (0.5 MiB saved) that fixed cost
+# dominates, and an SDXL UNet has 298 such layers holding 4% of its weights: the smallest layers
+# stay as loaded, as many as hold at most SMALL_SHARE of the compressible weights (so the
+# memory given up is bounded whatever the model). CNA_POOL_SMALL_SHARE overrides the share
+# (0 compresses every layer) for measurements.
+SMALL_NUMEL = 1 << 19
+SMALL_SHARE = 0.04
+
+
+def small_layers_kept(sizes: dict[str, int], share: float | None = None) -> set[str]:
+    """The names, among ``sizes`` (name -> weight elements), of the layers INT8 leaves as loaded:
+    those under ``SMALL_NUMEL``, smallest first, while together they hold at most ``share``
+    (default ``SMALL_SHARE``) of all the weights in ``sizes``."""
+    if share is None:
+        import os
+
+        env = os.environ.get("CNA_POOL_SMALL_SHARE", "").strip()
+        share = float(env) if env else SMALL_SHARE
+    budget = share * sum(sizes.values())
+    kept: set[str] = set()
+    used = 0
+    for name, n in sorted(sizes.items(), key=lambda kv: (kv[1], kv[0])):
+        if n >= SMALL_NUMEL or used + n > budget:
+            break
+        kept.add(name)
+        used += n
+    return kept
+
 
 # Rows quantized at once: the fp32 temporaries of one chunk stay small (a few MiB) where those
 # of the largest SD1.5 layer, quantized whole, were 225 MiB on the GPU (H200 trace, 2026-11-30).

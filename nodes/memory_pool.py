@@ -119,6 +119,7 @@ class CompressReport:
     failed: str | None = None  # why the weights stayed as loaded (out of memory)
     layers: int = 0
     skipped_patched: int = 0
+    kept_small: int = 0  # INT8: small layers left as loaded (wc.small_layers_kept)
     bytes_before: int = 0
     bytes_after: int = 0
     seconds: float = 0.0
@@ -135,6 +136,7 @@ class CompressReport:
                 else ""
             )
             + (f", {self.skipped_patched} LoRA-patched layers kept" if self.skipped_patched else "")
+            + (f", {self.kept_small} small layers kept as loaded" if self.kept_small else "")
             + f" ({self.seconds:.1f} s)"
         )
 
@@ -169,11 +171,16 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
     rep = CompressReport(what=what, mode=mode)
     clone = patcher.clone()
     made: list = []  # modules compressed by this call: forgotten again if it fails
+    layers = _layers(patcher, root, prefix)
+    small = wc.small_layers_kept({n: m.weight.numel() for n, m in layers}) if mode == "int8" else ()
     try:
-        for name, module in _layers(patcher, root, prefix):
+        for name, module in layers:
             full = prefix + name
             if isinstance(patcher.object_patches.get(full), wc._Replaced):
                 continue  # compressed by an earlier Memory Pool node (counted in its size)
+            if name in small:
+                rep.kept_small += 1
+                continue
             if f"{full}.weight" in patched or f"{full}.bias" in patched:
                 rep.skipped_patched += 1
                 continue
@@ -187,6 +194,8 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
             for module in made:
                 _COMPRESSED.pop(module, None)
         raise
+    if not rep.layers:
+        rep.kept_small = 0  # an earlier Memory Pool node compressed this model and counted them
     if rep.layers:
         clone.size = max(1, patcher.model_size() - rep.bytes_before + rep.bytes_after)
         clone.patches_uuid = uuid.uuid4()
@@ -368,6 +377,7 @@ class MemoryPoolPatch:
                 **fig,
                 "weights_before": sum(r.bytes_before for r in reports),
                 "weights_after": sum(r.bytes_after for r in reports),
+                "small_layers_kept": sum(r.kept_small for r in reports),
                 "prefetch": dict(pf),
                 "reserved": self.reserved,
                 "graph_pool_idle": self._graph_idle,

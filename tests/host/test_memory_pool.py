@@ -35,6 +35,14 @@ def _run(r, wl, variant, seed=5, **kw):
     return r.run(p, ids, **kw)
 
 
+def _patch(m):
+    """The MemoryPoolPatch the node put on model ``m``."""
+    import comfy.patcher_extension as pe
+
+    (w,) = m.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, "cna_memory_pool")
+    return w.__self__
+
+
 def _loaded(tiny_models):
     import comfy.controlnet
     import comfy.sd
@@ -116,14 +124,11 @@ def test_the_clone_reports_its_smaller_size_and_the_original_is_untouched(host, 
 def test_layers_a_lora_patches_stay_fp16(host, tiny_models):
     mp = _mp(host)
     model, _ = _loaded(tiny_models)
-    name = next(
-        k[: -len(".weight")]
-        for k, v in model.model.state_dict().items()
-        if k.startswith("diffusion_model.")
-        and k.endswith(".weight")
-        and v.dim() == 4
-        and v.numel() >= 4096
-    )
+    sd = model.model.state_dict()
+    name = max(  # the largest convolution: one the node compresses (small ones may stay fp16)
+        (k for k, v in sd.items() if k.startswith("diffusion_model.") and k.endswith(".weight")),
+        key=lambda k: (sd[k].dim() == 4, sd[k].numel()),
+    )[: -len(".weight")]
     w = model.model.state_dict()[f"{name}.weight"]
     # a LoRA before the node: the layer is not compressed at all
     lora = model.clone()
@@ -138,6 +143,28 @@ def test_layers_a_lora_patches_stay_fp16(host, tiny_models):
     assert mp._drop_patched_layers(after) == 1
     assert name not in after.object_patches and name in m.object_patches
     assert after.model_size() > size
+
+
+def test_int8_leaves_the_smallest_layers_as_loaded(host, tiny_models, monkeypatch):
+    """Each INT8 layer costs a kernel launch per call: the smallest ones, up to SMALL_SHARE of
+    the weights, stay fp16; the report says how many; 0 compresses them all."""
+    mp = _mp(host)
+    wc = sys.modules[host.pack_module_name].memory.weight_compress
+    monkeypatch.delenv("CNA_POOL_SMALL_SHARE", raising=False)
+    model, _ = _loaded(tiny_models)
+    dm = model.model.diffusion_model
+    sizes = {n: m.weight.numel() for n, m in dm.named_modules() if n and wc.why_not(m) is None}
+    m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
+    done = {k[len("diffusion_model.") :] for k in m.object_patches}
+    kept = set(sizes) - done
+    assert kept == wc.small_layers_kept(sizes) and kept, (kept, sizes)
+    assert max(sizes[k] for k in kept) <= min(sizes[k] for k in done)
+    assert sum(sizes[k] for k in kept) <= wc.SMALL_SHARE * sum(sizes.values())
+    rep = _patch(m).reports[0]
+    assert rep.kept_small == len(kept) and "small layers kept as loaded" in rep.line("x")
+    monkeypatch.setenv("CNA_POOL_SMALL_SHARE", "0")
+    m0, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
+    assert len(m0.object_patches) == len(sizes) and _patch(m0).reports[0].kept_small == 0
 
 
 def test_idle_models_are_unloaded_before_sampling(host, tiny_models):
@@ -324,6 +351,8 @@ def test_chained_pool_nodes_each_get_their_badge(host, tiny_models):
         assert any(line.startswith("weights int8") for line in badge["lines"])
     # the first compressed the UNet and its ControlNet, the second only its ControlNet
     assert first["data"]["weights_before"] > 2 * second["data"]["weights_before"] > 0
+    # each counts the small layers it left fp16 (the UNet's and its ControlNet's, or one net's)
+    assert first["data"]["small_layers_kept"] > second["data"]["small_layers_kept"] > 0
 
 
 def test_unsupported_controlnets_pass_through(host, tiny_models):

@@ -36,6 +36,23 @@ def test_quantizing_a_few_rows_at_a_time_gives_the_whole_layer_result(monkeypatc
     assert torch.equal(s.reshape(-1), ref_s)
 
 
+def test_small_layers_kept_are_the_smallest_within_the_share(monkeypatch):
+    monkeypatch.delenv("CNA_POOL_SMALL_SHARE", raising=False)
+    big = wc.SMALL_NUMEL
+    sizes = {"a": 10_000, "b": 20_000, "c": 30_000, "big1": 4 * big, "big2": 4 * big}
+    total = sum(sizes.values())
+    # all three small ones fit in 4% of the total only if it is large enough
+    assert wc.small_layers_kept(sizes, share=1.0) == {"a", "b", "c"}  # never a layer >= SMALL
+    assert wc.small_layers_kept(sizes, share=0.0) == set()
+    assert wc.small_layers_kept(sizes, share=30_000 / total) == {"a", "b"}  # smallest first
+    assert wc.small_layers_kept(sizes, share=29_999 / total) == {"a"}
+    # the default share, and the override for measurements
+    kept = wc.small_layers_kept(sizes)
+    assert sum(sizes[k] for k in kept) <= wc.SMALL_SHARE * total and kept
+    monkeypatch.setenv("CNA_POOL_SMALL_SHARE", "0")
+    assert wc.small_layers_kept(sizes) == set()
+
+
 # fp16 runs on the GPU only (ComfyUI computes in fp32 or bf16 on the CPU)
 CASES = [
     (d, t)
