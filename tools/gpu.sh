@@ -7,22 +7,23 @@
 #   bash tools/gpu.sh kernels                 the kernel microbenchmark, results under $OUT
 #   bash tools/gpu.sh soak [soak args]        the soak run (real ComfyUI servers), under $OUT
 #   bash tools/gpu.sh mem [args]              where a run's peak VRAM goes, under $OUT
-#   bash tools/gpu.sh repro [N]               session 6's W4 crash: N fresh processes each of
-#                                             W4 fused+graph (concurrent) and fused+graph_serial
+#   bash tools/gpu.sh repro [N]               session 6's W4 crash (fixed in session 7): N fresh
+#                                             processes each of W4 fused+graph and _serial
 # The soak's servers need comfyui-frontend-package on the GPU machine: keep its wheel in .whl.
 # .whl (av + frontend) and .comfy together exceed the 64 MiB a call may carry; move the
 # tokenizers SD1.5 does not use out of .comfy for that call (t5, qwen25, t5_pile, ace_lyrics,
 # hydit_clip under comfy/text_encoders/) and put them back afterwards. Calls other than the soak
 # do not need the frontend wheel: move it out of .whl for them instead (session 6 did).
 # Next GPU session, in order (see the last closing note):
-#   1. the W4 crash of session 6 (illegal memory access, first fused+graph run of W4, 2 of 5):
-#      bash tools/gpu.sh repro 4    (~4 min), then, fixed or not reproduced:
-#      bash tools/gpu.sh bench --workloads W4,W5 --variants fused+graph,pool_int8_offload+graph,\
-#        pool_int8_cn_stream+graph,pool_cn_stream+graph --rounds 2 --no-profile --cold-memory
-#   2. bash tools/gpu.sh tests -q -rfE tests/host/test_memory_pool.py tests/memory
-#      (session 6's GPU-only tests: graph-pool idle size, unload before compressing, the
-#      clone-size test's device fix; the prefetch/stream CUDA tests passed)
-#   3. the soak again (kind nvidia-h200-x2) for the /free VRAM reading:
+#   1. the host tests on the GPU, whole: bash tools/gpu.sh tests -q -rfE tests/host tests/memory
+#      (session 7 ran test_cuda_graph.py's stream cases, test_memory_pool.py and tests/memory
+#      before its last bookkeeping change; the small-layer counting is CPU-tested)
+#   2. the crash's evidence, still counting (session 7: old code 1 abort in 3, fixed 0 in 2 and
+#      none in 4 benchmark processes): bash tools/gpu.sh repro 3
+#   3. W1's Memory Pool row (last measured in session 3):
+#      bash tools/gpu.sh bench --workloads W1 --variants fused+graph,pool_int8_offload+graph \
+#        --rounds 2 --no-profile --cold-memory
+#   4. the soak again (kind nvidia-h200-x2) for the /free VRAM reading:
 #      bash tools/gpu.sh soak --gpus 0,1 --prompts 200 --budget 480
 set -uo pipefail
 OUT=${OUT:-/tmp/cna-out}
