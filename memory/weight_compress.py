@@ -36,7 +36,7 @@ from . import prefetch
 MIN_NUMEL = 4096
 
 # INT8 layers cost one expansion kernel per call whatever their size: about 1.7 µs inside a
-# CUDA graph on the H200, as long as expanding 1.3 M weights takes at full speed (kernel
+# CUDA graph on the H200, about what expanding 1.3 M weights at full speed takes (kernel
 # microbenchmark, 2026-11-30). Below SMALL_NUMEL weights (0.5 MiB saved) that fixed cost
 # dominates, and an SDXL UNet has 298 such layers holding 4% of its weights: the smallest layers
 # stay as loaded, as many as hold at most SMALL_SHARE of the compressible weights (so the
