@@ -24,6 +24,8 @@ for fp16 weights, at half the bytes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -51,8 +53,6 @@ def small_layers_kept(sizes: dict[str, int], share: float | None = None) -> set[
     those under ``SMALL_NUMEL``, smallest first, while together they hold at most ``share``
     (default ``SMALL_SHARE``) of all the weights in ``sizes``."""
     if share is None:
-        import os
-
         env = os.environ.get("CNA_POOL_SMALL_SHARE", "").strip()
         share = float(env) if env else SMALL_SHARE
     budget = share * sum(sizes.values())

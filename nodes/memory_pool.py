@@ -194,11 +194,11 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
             for module in made:
                 _COMPRESSED.pop(module, None)
         raise
-    if not rep.layers:
-        rep.kept_small = 0  # an earlier Memory Pool node compressed this model and counted them
     if rep.layers:
         clone.size = max(1, patcher.model_size() - rep.bytes_before + rep.bytes_after)
         clone.patches_uuid = uuid.uuid4()
+    else:
+        rep.kept_small = 0  # an earlier Memory Pool node compressed this model and counted them
     rep.seconds = time.perf_counter() - t0
     logger.info("Memory Pool: %s", rep.line(what))
     return clone, rep

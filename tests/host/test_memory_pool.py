@@ -35,11 +35,11 @@ def _run(r, wl, variant, seed=5, **kw):
     return r.run(p, ids, **kw)
 
 
-def _patch(m):
-    """The MemoryPoolPatch the node put on model ``m``."""
+def _patch(mp, m):
+    """The MemoryPoolPatch the node (module ``mp``) put on model ``m``."""
     import comfy.patcher_extension as pe
 
-    (w,) = m.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, "cna_memory_pool")
+    (w,) = m.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, mp.WRAPPER_KEY)
     return w.__self__
 
 
@@ -160,11 +160,11 @@ def test_int8_leaves_the_smallest_layers_as_loaded(host, tiny_models, monkeypatc
     assert kept == wc.small_layers_kept(sizes) and kept, (kept, sizes)
     assert max(sizes[k] for k in kept) <= min(sizes[k] for k in done)
     assert sum(sizes[k] for k in kept) <= wc.SMALL_SHARE * sum(sizes.values())
-    rep = _patch(m).reports[0]
+    rep = _patch(mp, m).reports[0]
     assert rep.kept_small == len(kept) and "small layers kept as loaded" in rep.line("x")
     monkeypatch.setenv("CNA_POOL_SMALL_SHARE", "0")
     m0, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
-    assert len(m0.object_patches) == len(sizes) and _patch(m0).reports[0].kept_small == 0
+    assert len(m0.object_patches) == len(sizes) and _patch(mp, m0).reports[0].kept_small == 0
 
 
 def test_idle_models_are_unloaded_before_sampling(host, tiny_models):
