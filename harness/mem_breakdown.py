@@ -72,12 +72,29 @@ def peak_breakdown(
     return best / MiB, rows[:top]
 
 
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="benchmark.py --mem-breakdown",
+        description="Where the peak VRAM of one sampling run goes, grouped by the code that "
+        "allocated it, per variant, from a cold start (GPU only).",
+    )
+    ap.add_argument("--workload", default="W2", help="one benchmark workload (default W2)")
+    ap.add_argument(
+        "--variants",
+        default="stock,pool_int8_offload+graph",
+        help="comma list of benchmark variants (default stock,pool_int8_offload+graph)",
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench-results"),
+        help="folder for mem-<workload>-<variant>.txt (default bench-results)",
+    )
+    return ap
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--workload", default="W2")
-    ap.add_argument("--variants", default="stock,pool_int8_offload+graph")
-    ap.add_argument("--out", type=Path, default=Path("bench-results"))
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)
     from . import comfy_host
 
     host = comfy_host.bootstrap(models_dir=comfy_host.default_models_dir(), cuda_malloc=False)

@@ -378,7 +378,12 @@ def run_workload(
     def run(variant: str, seed: int, *, steps_override=None, prof=False):
         w = wl if steps_override is None else wl.with_(steps=steps_override)
         p, ids = workflows.build_prompt(w, seed, hints, VARIANTS[variant])
-        return r.run(p, ids, profile=prof)
+        g0 = _graph_totals()
+        res = r.run(p, ids, profile=prof)
+        g1 = _graph_totals()
+        if g0 is not None and g1 is not None:
+            res.extra["graph_steps"] = {k: g1[k] - g0[k] for k in ("replays", "captures", "eager")}
+        return res
 
     prime = run("stock", 1000)
     prog.step(f"{wid} primed (load + encode) in {prime.wall_s:.1f}s")
@@ -499,6 +504,8 @@ def run_workload(
             first_run_overhead_s=first[v] - statistics.median(walls),
             psnr_vs_stock_db=min(psnrs) if psnrs else None,
         )
+        # the warm runs' own spread: a first run within it had no overhead we can measure
+        row.extra["warm_wall_spread_s"] = max(walls) - min(walls)
         if r.cuda:
             row.peak_allocated_mib = max(x.peak_allocated for x in runs) / MiB
             row.peak_reserved_mib = max(x.peak_reserved for x in runs) / MiB
@@ -526,6 +533,10 @@ def run_workload(
             row.extra["controlnet_calls"] = calls  # last round: network calls run vs reused
         if v != "stock":
             row.extra["graph_totals"] = _graph_totals()
+        steps_g = [x.extra["graph_steps"] for x in runs if "graph_steps" in x.extra]
+        if uses_graphs(v) and steps_g and not any(g["replays"] for g in steps_g):
+            reasons = (row.extra.get("graph_totals") or {}).get("eager_reasons") or []
+            row.extra["ran_eager"] = eager_note(reasons)
         row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
         rows.append(row)
     import comfy.model_management
@@ -586,6 +597,37 @@ def _graph_totals() -> dict | None:
     return {**cg.TOTALS, "eager_reasons": reasons}
 
 
+def uses_graphs(variant: str) -> bool:
+    """Whether the variant's prompt has a CUDA Graph node (the model patch or the KSampler)."""
+    from .workflows import WORKLOADS, build_prompt
+
+    p, _ = build_prompt(WORKLOADS["T1"], 0, ["hint.png"], VARIANTS[variant])
+    return any(n["class_type"] in ("CNA_CUDAGraph", "CNA_KSamplerCUDAGraph") for n in p.values())
+
+
+# Expected eager steps (a run's first step, a cache's first fill), not why a variant ran eager.
+_EXPECTED_EAGER = ("first step of a run", "ControlNet Feature Cache: first compute")
+
+
+def eager_note(reasons: list[str], width: int = 72) -> str:
+    """A short "why this graph variant replayed no graph" from the graph cache's eager
+    reasons."""
+    real = [r for r in reasons if not r.startswith(_EXPECTED_EAGER)]
+    if not real:
+        return "no graph was replayed"
+    first = real[0] if len(real[0]) <= width else real[0][: width - 1] + "…"
+    return first + (f" (+{len(real) - 1} more)" if len(real) > 1 else "")
+
+
+def overhead_text(r: Row) -> str:
+    """First-run overhead for the table: "≈ 0" when the first run was no slower than the warm
+    runs' own spread (it can even be faster, by noise)."""
+    spread = r.extra.get("warm_wall_spread_s", 0.0)
+    if r.first_run_overhead_s <= max(spread, 0.005):
+        return "≈ 0"
+    return f"{r.first_run_overhead_s:.2f}"
+
+
 def _f(x, fmt="{:.2f}"):
     return "—" if x is None else ("∞" if x == float("inf") else fmt.format(x))
 
@@ -642,20 +684,46 @@ def table(rows: list[Row], wl_info: dict) -> str:
         )
         calls = r.extra.get("controlnet_calls")
         calls_s = f"{calls['computed']}/{calls['reused']}" if calls else "–"
+        name = r.variant
+        if r.extra.get("ran_eager"):
+            name += f" (ran eager: {r.extra['ran_eager']})"
         lines.append(
-            f"| {r.workload} ({wl_info[r.workload]}) | {r.variant} | {r.ms_step_median:.2f} "
+            f"| {r.workload} ({wl_info[r.workload]}) | {name} | {r.ms_step_median:.2f} "
             f"({r.ms_step_min:.2f}–{r.ms_step_max:.2f}) | {r.ms_step_mean:.2f} | "
             f"{_f(r.gpu_busy_ms_step)} | "
             f"{_f(r.launches_step, '{:.0f}')} | {_f(r.peak_allocated_mib, '{:.0f}')} "
             f"({_f(r.resident_mib, '{:.0f}')}) | {_f(r.peak_reserved_mib, '{:.0f}')} | "
-            f"{r.first_run_overhead_s:.2f} | {_f(r.psnr_vs_stock_db, '{:.1f}')} | {img} | "
+            f"{overhead_text(r)} | {_f(r.psnr_vs_stock_db, '{:.1f}')} | {img} | "
             f"{calls_s} |"
         )
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="benchmark.py", description=__doc__.split("\n")[0])
+# The other modes of benchmark.py: each replaces the quick benchmark and has its own options.
+MODES = {
+    "--kernels": "run the kernel microbenchmark instead (GPU only; harness/kernel_bench.py)",
+    "--soak": "run the soak test: queued prompts through real ComfyUI servers (harness/soak.py)",
+    "--mem-breakdown": "show where the peak VRAM of one run goes (GPU only; "
+    "harness/mem_breakdown.py)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="benchmark.py",
+        description=__doc__.split("\n")[0]
+        + " With no mode option it runs the quick benchmark; a mode option runs that mode "
+        "instead, with the mode's own options (listed below).",
+    )
+    modes = ap.add_argument_group("modes (one at most; each has the options listed below)")
+    for flag, text in MODES.items():
+        modes.add_argument(flag, action="store_true", help=text)
+    quick = ap.add_argument_group("quick benchmark options")
+    _quick_arguments(quick)
+    return ap
+
+
+def _quick_arguments(ap) -> None:
     ap.add_argument("--workloads", help="comma list (default: W0..W5 on a GPU, T0..T2 on a CPU)")
     ap.add_argument(
         "--variants",
@@ -695,7 +763,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep PyTorch's native allocator instead of ComfyUI's cudaMallocAsync default",
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
+    chosen = [f for f in MODES if getattr(a, f.lstrip("-").replace("-", "_"))]
+    if chosen:  # benchmark.py dispatches the modes before this parser sees them
+        ap.error(f"{chosen[0]} runs its own mode: python benchmark.py {chosen[0]} [options]")
 
     from . import comfy_host  # torch-free: the allocator is chosen before torch is imported
 
