@@ -6,11 +6,20 @@ at the parent of the ``custom_nodes`` folder this pack sits in, and at ``~/comfy
 (comfy-cli's default). ``bootstrap()`` must run before anything imports ``comfy.*``, because
 ComfyUI reads its command-line options (``--cpu`` and friends) when ``comfy.model_management``
 is first imported.
+
+It starts ComfyUI the way its ``main.py`` does, on 0.3.64 and on 0.33: ComfyUI's own ``utils``
+package is imported before ``nodes`` (which puts ``comfy/`` on ``sys.path``, where
+``comfy/utils.py`` would otherwise shadow it and fail ComfyUI's own nodes that import
+``utils.*``); where ``import torchaudio`` fails, an import-only stand-in takes its place
+(``torchaudio_standin.py``: 0.33 imports torchaudio on the model-loading path, which SD never
+calls); and on a GPU, DynamicVRAM is enabled as ``main.py`` enables it (0.33's default on NVIDIA
+GPUs; ``CNA_DYNAMIC_VRAM=0`` turns it off like ``--disable-dynamic-vram``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -68,6 +77,9 @@ class Host:
     root: Path
     cpu: bool
     pack_module_name: str | None
+    version: str | None = None  # ComfyUI's version (comfyui_version.py)
+    dynamic_vram: bool = False  # models load through ModelPatcherDynamic (0.33 on a GPU)
+    torchaudio_standin: str | None = None  # why the stand-in was installed, or None
 
 
 _HOST: Host | None = None
@@ -96,6 +108,14 @@ def bootstrap(
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
+    from comfy.cli_args import args  # argparse only: no torch yet
+
+    if cpu is not None:
+        args.cpu = bool(cpu)
+    if os.environ.get("CNA_DYNAMIC_VRAM") == "0" and hasattr(args, "disable_dynamic_vram"):
+        args.disable_dynamic_vram = True
+    _load_aimdo(args)
+
     if cuda_malloc and cpu is not True and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         # main.py imports cuda_malloc before torch, which picks cudaMallocAsync on supported GPUs.
         # Once torch is imported the allocator backend is fixed (changing the variable then makes
@@ -103,12 +123,18 @@ def bootstrap(
         if "torch" not in sys.modules:
             import cuda_malloc  # noqa: F401
 
+    from . import torchaudio_standin
+
+    standin = torchaudio_standin.install()
+    if standin is not None:
+        logging.getLogger(__name__).info(
+            "torchaudio unavailable (%s): an import-only stand-in lets ComfyUI start", standin
+        )
+
     import torch
 
     if cpu is None:
         cpu = not torch.cuda.is_available()
-
-    from comfy.cli_args import args
 
     args.cpu = bool(cpu)
     args.disable_all_custom_nodes = False
@@ -116,6 +142,17 @@ def bootstrap(
         args.use_pytorch_cross_attention = True
 
     import folder_paths
+
+    # main.py imports ComfyUI's own ``utils`` package before ``nodes`` puts ``comfy/`` first on
+    # sys.path (where ``comfy/utils.py`` would shadow it), and sets up the MIME types (0.33)
+    import utils.extra_config  # noqa: F401
+
+    try:
+        from utils.mime_types import init_mime_types
+    except ImportError:  # 0.3.64
+        pass
+    else:
+        init_mime_types()
 
     if models_dir is not None:
         for kind in ("checkpoints", "controlnet", "vae", "diffusion_models", "text_encoders"):
@@ -134,14 +171,99 @@ def bootstrap(
             d.mkdir(parents=True, exist_ok=True)
             setter(str(d))
 
+    import comfy.utils  # noqa: F401  (main.py's order: comfy.utils, execution, nodes)
+    import execution  # noqa: F401
+
     import nodes
 
+    dynamic = _enable_dynamic_vram(args)
     asyncio.run(nodes.init_extra_nodes(init_custom_nodes=False, init_api_nodes=False))
     pack_module_name = None
     if load_pack:
         pack_module_name = load_pack_into_comfyui()
-    _HOST = Host(root=root, cpu=bool(cpu), pack_module_name=pack_module_name)
+    _HOST = Host(
+        root=root,
+        cpu=bool(cpu),
+        pack_module_name=pack_module_name,
+        version=comfyui_version(root),
+        dynamic_vram=dynamic,
+        torchaudio_standin=standin,
+    )
     return _HOST
+
+
+def comfyui_version(root: Path | None = None) -> str | None:
+    """The version in ``<root>/comfyui_version.py`` (read, not imported), or None."""
+    import re
+
+    try:
+        root = find_comfyui() if root is None else Path(root)
+        text = (root / "comfyui_version.py").read_text()
+    except (OSError, ComfyUINotFound):
+        return None
+    m = re.search(r"__version__\s*=\s*[\"']([^\"']+)[\"']", text)
+    return m.group(1) if m else None
+
+
+def _load_aimdo(args) -> None:
+    """ComfyUI 0.33's ``main.py`` loads comfy-aimdo's library before torch whenever
+    ``enables_dynamic_vram()``; devices are initialised later (``_enable_dynamic_vram``)."""
+    import comfy.cli_args as cli
+
+    enables = getattr(cli, "enables_dynamic_vram", None)
+    if enables is None or not enables():
+        return
+    try:
+        import comfy_aimdo.control
+
+        headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024**3)
+        try:
+            comfy_aimdo.control.init(simple_vram_headroom=headroom)
+        except TypeError:  # older comfy-aimdo
+            comfy_aimdo.control.init()
+    except Exception as e:  # _enable_dynamic_vram then reports the legacy fallback
+        logging.getLogger(__name__).debug("comfy-aimdo not loaded (%s)", e)
+
+
+def _enable_dynamic_vram(args) -> bool:
+    """DynamicVRAM as ComfyUI 0.33's ``main.py`` enables it: when ``enables_dynamic_vram()``
+    (not --cpu, not --disable-dynamic-vram, ...) on an NVIDIA GPU with torch ≥ 2.8, through
+    comfy-aimdo; ModelPatcherDynamic then loads every model. False where this ComfyUI has no
+    DynamicVRAM (0.3.64), on the CPU, or when comfy-aimdo does not start (as main.py, which
+    then falls back to the legacy ModelPatcher)."""
+    import comfy.cli_args as cli
+
+    enables = getattr(cli, "enables_dynamic_vram", None)
+    if enables is None or not enables():
+        return False
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    if not (mm.is_nvidia() or getattr(args, "enable_dynamic_vram", False)):
+        return False
+    if mm.torch_version_numeric < (2, 8):
+        return False
+    log = logging.getLogger(__name__)
+    try:
+        import comfy_aimdo.control
+
+        devices = list(mm.get_all_torch_devices())
+        headroom = int(getattr(args, "vram_headroom", 0) * 1024**3)
+        try:
+            ok = comfy_aimdo.control.init_devices((d.index, headroom) for d in devices)
+        except TypeError:
+            ok = comfy_aimdo.control.init_devices(d.index for d in devices)
+    except Exception as e:  # no working comfy-aimdo: the legacy ModelPatcher, as main.py does
+        log.warning("DynamicVRAM not started (%s); using the legacy ModelPatcher", e)
+        return False
+    if not ok:
+        log.warning("DynamicVRAM not started (comfy-aimdo); using the legacy ModelPatcher")
+        return False
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+    log.info("DynamicVRAM enabled (as ComfyUI's main.py does on NVIDIA GPUs)")
+    return True
 
 
 def load_pack_into_comfyui() -> str:

@@ -53,11 +53,10 @@ class Runner:
     """One ComfyUI executor with its node cache, so loaders and text encodes run once."""
 
     def __init__(self):
-        import execution
+        from ..nodes import compat
 
-        self.executor = execution.PromptExecutor(
-            _HeadlessServer(), cache_type=execution.CacheType.CLASSIC
-        )
+        # the classic cache; ComfyUI 0.33 also takes cache_args (compat builds them)
+        self.executor = compat.prompt_executor(_HeadlessServer())
         self.cuda = torch.cuda.is_available() and not _comfy_cpu()
 
     def run(self, prompt: dict, ids: dict, *, profile: bool = False, on_step=None) -> RunResult:

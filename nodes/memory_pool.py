@@ -17,10 +17,17 @@ What it does to a workflow's models, through ComfyUI's own extension points only
   A model ComfyUI had already loaded on the GPU is unloaded before it is compressed.
 - **Working memory told to ComfyUI.** A PREPARE_SAMPLING wrapper adds the pool's own working
   memory (``MemoryPoolPatch.reserve_bytes``) to the estimate ComfyUI frees memory for before it
-  loads the run's models.
+  loads the run's models. ComfyUI has no public way to add to that estimate, so for that one
+  call the model's ``memory_required`` is wrapped on the instance and restored after it; it is
+  the pack's one remaining edit of a ComfyUI object. Under DynamicVRAM (ComfyUI 0.33 on NVIDIA
+  GPUs) nothing is added: working memory is then found on demand, by evicting weights.
 - **Idle models out of the way.** Optionally, before sampling, unload from the GPU every model
   this sampling run does not use (typically the text encoder and the VAE, which ComfyUI keeps
-  resident); ComfyUI loads them again when a later node needs them.
+  resident), through ComfyUI's ``free_memory`` with the run's models kept; ComfyUI loads them
+  again when a later node needs them.
+- **DynamicVRAM** (``nodes/compat.py``). The replaced layers are plain modules to ComfyUI, so
+  DynamicVRAM loads their int8 weights whole (streamed layers keep theirs in pinned RAM) and
+  manages every other layer as usual; the log says so once.
 - **Report.** Peak allocated and reserved VRAM of each sampling run, logged and kept in
   ``LAST_RUN`` for the front end.
 """
@@ -39,7 +46,7 @@ from ..errors import NodeInputError, is_out_of_memory
 from ..logger import logger
 from ..memory import prefetch
 from ..memory import weight_compress as wc
-from . import status
+from . import compat, status
 from .fused_apply import context_width, family
 
 WRAPPER_KEY = "cna_memory_pool"
@@ -204,6 +211,22 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
     return clone, rep
 
 
+def _without_lora_patched_layers(patcher):
+    """``patcher``, or a clone of it without our object patches on layers that a later node (a
+    LoRA) patches, so the LoRA applies to the fp16 weight. A clone: ``patcher`` is another
+    node's cached output (the LoRA loader's) and must not change."""
+    patched = _patched_keys(patcher) if patcher is not None else set()
+    if not any(
+        isinstance(v, wc._Replaced) and (f"{k}.weight" in patched or f"{k}.bias" in patched)
+        for k, v in (getattr(patcher, "object_patches", None) or {}).items()
+    ):
+        return patcher
+    clone = patcher.clone()
+    n = _drop_patched_layers(clone)
+    logger.info("Memory Pool: %d layers patched by a LoRA after this node stay fp16", n)
+    return clone
+
+
 def _drop_patched_layers(patcher) -> int:
     """At sampling time: object patches of ours on layers that some later node (a LoRA) patches
     are dropped from this run's patcher, so the LoRA applies to the fp16 weight."""
@@ -257,9 +280,22 @@ class MemoryPoolPatch:
                     largest[kind] = max(largest[kind], obj.original_bytes())
         return largest["int8"] + 2 * largest["stream"] + self._graph_idle
 
-    def prepare_sampling_wrapper(self, executor, model, noise_shape, conds, model_options=None):
+    def prepare_sampling_wrapper(self, executor, *args, **kwargs):
         """ComfyUI sizes what it frees before loading the run's models from the model's
-        ``memory_required``; for this call it also counts the pool (``reserve_bytes``)."""
+        ``memory_required``; for this call it also counts the pool (``reserve_bytes``).
+        Whatever arguments this ComfyUI passes go through unchanged."""
+        a = compat.prepare_sampling_args(args, kwargs)
+        model, conds = a.get("model"), a.get("conds") or {}
+        if compat.is_dynamic(model):
+            compat.info_once(
+                "pool:dynamic",
+                "Memory Pool: ComfyUI's DynamicVRAM is on: the pool's INT8 layers are loaded "
+                "whole and streamed ones stay in pinned RAM, while the other layers and the "
+                "working memory are left to DynamicVRAM, which loads weights as they run (no "
+                "working memory is reserved for the pool; --disable-dynamic-vram restores it)",
+            )
+            self.reserved = 0
+            return executor(*args, **kwargs)
         try:
             patchers = _models_of(model, conds)
         except Exception as e:  # a newer ComfyUI's conds: count the model's layers only
@@ -269,16 +305,16 @@ class MemoryPoolPatch:
         base = getattr(model, "model", None)
         orig = getattr(base, "memory_required", None)
         if reserve <= 0 or not callable(orig):
-            return executor(model, noise_shape, conds, model_options=model_options)
+            return executor(*args, **kwargs)
         had = "memory_required" in vars(base)
 
-        def memory_required(*args, **kwargs):
-            return orig(*args, **kwargs) + reserve
+        def memory_required(*a, **kw):
+            return orig(*a, **kw) + reserve
 
         base.memory_required = memory_required
         self.reserved = reserve
         try:
-            return executor(model, noise_shape, conds, model_options=model_options)
+            return executor(*args, **kwargs)
         finally:
             if had:
                 base.memory_required = orig
@@ -296,10 +332,16 @@ class MemoryPoolPatch:
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
         patcher = getattr(guider, "model_patcher", None)
-        if patcher is not None:
-            n = _drop_patched_layers(patcher)
-            if n:
-                logger.info("Memory Pool: %d layers patched by a LoRA after this node stay fp16", n)
+        run_patcher = _without_lora_patched_layers(patcher)
+        if run_patcher is not patcher:  # this run samples a clone; the node outputs stay as made
+            guider.model_patcher = run_patcher
+        try:
+            return self._outer_sample(executor, guider, run_patcher, *args, **kwargs)
+        finally:
+            if run_patcher is not patcher:
+                guider.model_patcher = patcher
+
+    def _outer_sample(self, executor, guider, patcher, *args, **kwargs):
         try:
             _park_originals(guider)
         except Exception as e:  # never fail the run over memory placement
@@ -465,25 +507,14 @@ def _unload_from_gpu(patcher) -> None:
     copies side by side while compressing (measured: the prompt's peak). Compressing then
     brings one layer at a time to the GPU. The sampler loads the compressed copy as usual;
     a stock node using the checkpoint loads the original again, as ComfyUI always does."""
-    try:
+    dev = getattr(patcher, "load_device", None)
+    if not isinstance(dev, torch.device) or dev.type != "cuda":
+        return
+    if compat.unload_models_of(patcher, dev):
         import comfy.model_management as mm
 
-        unloaded = False
-        for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-            lm = mm.current_loaded_models[i]
-            p = lm.model
-            if p is None or p.model is not patcher.model or lm.device.type != "cuda":
-                continue
-            if lm.model_unload():
-                mm.current_loaded_models.pop(i)
-                unloaded = True
-        if unloaded:
-            mm.soft_empty_cache()
-            logger.info(
-                "Memory Pool: unloaded the %s from the GPU to compress it", _what_of(patcher)
-            )
-    except Exception as e:  # a newer ComfyUI's memory manager: compress where the weights are
-        logger.warning("Memory Pool: could not unload the model before compressing (%s)", e)
+        mm.soft_empty_cache()
+        logger.info("Memory Pool: unloaded the %s from the GPU to compress it", _what_of(patcher))
 
 
 def _what_of(patcher) -> str:
@@ -491,30 +522,19 @@ def _what_of(patcher) -> str:
 
 
 def _offload_idle(guider) -> list[str]:
-    """Unload from the sampling device every loaded model this run does not use."""
-    import comfy.model_management as mm
-
-    keep = {id(m.model) for m in _models_of_run(guider)}
-    device = guider.model_patcher.load_device
-    freed = []
-    for i in range(len(mm.current_loaded_models) - 1, -1, -1):
-        lm = mm.current_loaded_models[i]
-        p = lm.model
-        if p is None or lm.device != device or id(p.model) in keep:
-            continue
-        if lm.model_unload():
-            freed.append(type(p.model).__name__)
-            mm.current_loaded_models.pop(i)
+    """Unload from the sampling device every loaded model this run does not use (ComfyUI's
+    ``free_memory``, the run's models kept)."""
+    freed = [
+        type(p.model).__name__
+        for p in compat.unload_all_but(_models_of_run(guider), guider.model_patcher.load_device)
+    ]
     if freed:
-        mm.soft_empty_cache()
         logger.info("Memory Pool: unloaded idle models for sampling: %s", ", ".join(freed))
     return freed
 
 
 def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
     """What the node does: (model, control_net) patched as ``options`` say."""
-    import comfy.patcher_extension as pe
-
     m = model
     reports: list[CompressReport] = []
     validate_inputs(model, control_net, options)
@@ -531,30 +551,20 @@ def apply_memory_pool(model, control_net, options: PoolOptions, node_id=None):
             reports.append(rep)
     else:
         m = model.clone()
-    if hasattr(pe, "WrappersMP") and hasattr(pe.WrappersMP, "OUTER_SAMPLE"):
+    outer = compat.wrapper_type("OUTER_SAMPLE")
+    if outer is not None:
         earlier = next(
             (
                 getattr(w, "__self__", None)
-                for w in m.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+                for w in m.get_wrappers(outer, WRAPPER_KEY)
                 if isinstance(getattr(w, "__self__", None), MemoryPoolPatch)
             ),
             None,
         )
         patch = MemoryPoolPatch(options, node_id, reports, earlier)
-        m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
-        m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, patch.outer_sample_wrapper)
-        if hasattr(pe.WrappersMP, "PREPARE_SAMPLING"):
-            m.remove_wrappers_with_key(pe.WrappersMP.PREPARE_SAMPLING, WRAPPER_KEY)
-            m.add_wrapper_with_key(
-                pe.WrappersMP.PREPARE_SAMPLING, WRAPPER_KEY, patch.prepare_sampling_wrapper
-            )
-        if hasattr(pe.WrappersMP, "CALC_COND_BATCH"):
-            m.remove_wrappers_with_key(pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY)
-            m.add_wrapper_with_key(
-                pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, patch.calc_cond_batch_wrapper
-            )
-    else:
-        logger.warning("Memory Pool: this ComfyUI has no OUTER_SAMPLE wrapper; no VRAM report")
+        compat.set_wrapper(m, "OUTER_SAMPLE", WRAPPER_KEY, patch.outer_sample_wrapper)
+        compat.set_wrapper(m, "PREPARE_SAMPLING", WRAPPER_KEY, patch.prepare_sampling_wrapper)
+        compat.set_wrapper(m, "CALC_COND_BATCH", WRAPPER_KEY, patch.calc_cond_batch_wrapper)
     cn = control_net
     if cn is not None and options.controlnet_weights != "as loaded":
         why = why_not_compressible(cn)

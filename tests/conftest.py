@@ -8,6 +8,7 @@ its ``nodes/`` would shadow ComfyUI's top-level ``nodes`` module. So the pack is
 
 ComfyUI is found via $COMFYUI_PATH, the parent of the ``custom_nodes`` folder, or
 ``~/comfy/ComfyUI``; without it every ``host`` test is skipped with that reason in the summary.
+``COMFYUI_PATH`` selects the tree (0.3.64 or 0.33); the header line names its version.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ except comfy_host.ComfyUINotFound as e:
     COMFY_MISSING = str(e)
 
 
+COMFY_VERSION = comfy_host.comfyui_version(COMFY_ROOT) if COMFY_ROOT is not None else None
+
+
 def pytest_report_header(config):
     if COMFY_ROOT is None:
         return f"ComfyUI: NOT FOUND, host tests will be skipped ({COMFY_MISSING})"
-    return f"ComfyUI: {COMFY_ROOT}"
+    return f"ComfyUI {COMFY_VERSION or '(version unknown)'} at {COMFY_ROOT}"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,7 +75,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     skipped = [r for r in host if r.outcome == "skipped"]
     terminalreporter.write_line(
         f"host tests (real ComfyUI): {len(ran)} ran, {len(skipped)} skipped"
-        + (f" — {COMFY_MISSING}" if COMFY_ROOT is None else f" — ComfyUI at {COMFY_ROOT}")
+        + (
+            f" — {COMFY_MISSING}"
+            if COMFY_ROOT is None
+            else f" — ComfyUI {COMFY_VERSION or '(version unknown)'} at {COMFY_ROOT}"
+        )
     )
 
 

@@ -1,0 +1,231 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The one compatibility seam between this pack and the ComfyUI versions it supports.
+
+Supported: ComfyUI 0.3.64 and 0.33.0 (and the releases between them that keep these APIs).
+Every version difference the pack depends on is answered here, so the rest of the pack calls
+one function instead of testing versions. Where an API is missing, the function fails soft:
+it does the stock thing and logs one line (once per process) saying what is left undone.
+
+What differs, and how each is handled:
+
+- **Wrapper signatures.** 0.33 passes more arguments to some wrappers (PREPARE_SAMPLING gets
+  ``force_full_load`` and ``force_offload``; OUTER_SAMPLE gets ``latent_shapes``). The pack's
+  wrappers take ``(executor, *args, **kwargs)`` and call ``executor(*args, **kwargs)``, so new
+  arguments pass through untouched; ``prepare_sampling_args`` reads the four arguments every
+  version passes, positional or keyword.
+- **Executor arguments.** 0.33's ``PromptExecutor(server, cache_type, cache_args)`` reads
+  ``cache_args["ram"]`` and ``["ram_inactive"]`` on every ``execute``; 0.3.64 has no
+  ``cache_args``. ``prompt_executor`` builds one either way.
+- **DynamicVRAM.** 0.33 loads models through ``ModelPatcherDynamic`` (comfy-aimdo) when
+  ``main.py`` enables it: on NVIDIA GPUs by default, never with ``--cpu`` or
+  ``--disable-dynamic-vram``. Weights of ComfyUI's own layers (``comfy_cast_weights``) are then
+  faulted into VRAM as they run and evicted under pressure; other modules' parameters are
+  loaded whole ("force pre-loaded"). ``is_dynamic`` and ``dynamic_vram_enabled`` tell.
+- **Memory management.** Unloading uses ``model_management.free_memory(..., keep_loaded=...)``
+  (both versions) instead of editing ``current_loaded_models``: ``unload_models_of`` and
+  ``unload_all_but``.
+
+CUDA graphs: this pack's and ComfyUI 0.33's own. 0.33 captures CUDA graphs only in
+``comfy/model_prefetch.py``'s ``prefetch_queue_pop`` when called with ``enable_graph=True``,
+which only its LLM text encoders do during fixed-size KV decoding
+(``comfy/text_encoders/llama.py`` and ``comfy/text_encoders/gemma4.py``), and only under
+DynamicVRAM (``module._v_block`` set by ``ModelPatcherDynamic.load``) unless
+``--disable-cuda-graphs``. The other callers of the prefetch queue (LTX-AV, MiniMax) pass no
+``enable_graph``, and the SD1.5/SDXL UNet (``comfy/ldm/modules/diffusionmodules/
+openaimodel.py``) and ControlNet (``comfy/cldm/cldm.py``) never use the prefetch queue at all. So
+ComfyUI never captures the models this pack captures (the UNet step with its ControlNets), and
+this pack never captures a text encoder: the two never capture the same model. They share the
+GPU's memory: ComfyUI's graphs stay alive until ``cleanup_prefetch_queues`` drops them, and
+its capture stream is separate from ours. ``comfyui_captures(model)`` answers the question for
+a given diffusion model (False for every model that has no ``_comfy_graph`` anywhere in it), so
+the pack can refuse a model that ComfyUI has already captured.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+from ..logger import logger
+
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def warn_once(key: str, msg: str, *args) -> None:
+    """Log ``msg`` at warning level the first time ``key`` is seen in this process."""
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.warning(msg, *args)
+
+
+def info_once(key: str, msg: str, *args) -> None:
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    logger.info(msg, *args)
+
+
+def comfyui_version() -> str | None:
+    """ComfyUI's version string (``comfyui_version.py``), or None when it cannot tell."""
+    try:
+        import comfyui_version
+
+        return str(comfyui_version.__version__)
+    except Exception:  # an unusual install without the generated file
+        return None
+
+
+def version_tuple(v: str | None = None) -> tuple[int, ...]:
+    """``"0.33.0"`` → ``(0, 33, 0)``; ``()`` when unknown."""
+    v = comfyui_version() if v is None else v
+    out = []
+    for part in (v or "").split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+# ---- wrappers -------------------------------------------------------------------------------
+
+
+def wrapper_type(name: str) -> str | None:
+    """``comfy.patcher_extension.WrappersMP.<name>``, or None (one log line) when missing."""
+    import comfy.patcher_extension as pe
+
+    wt = getattr(getattr(pe, "WrappersMP", None), name, None)
+    if wt is None:
+        warn_once(
+            f"wrapper:{name}",
+            "ControlNet Accelerator: this ComfyUI has no %s wrapper; what the pack does there "
+            "is skipped",
+            name,
+        )
+    return wt
+
+
+def set_wrapper(patcher, name: str, key: str, fn) -> bool:
+    """Replace ``patcher``'s wrapper ``key`` of type ``name`` with ``fn``; False (logged once)
+    when this ComfyUI lacks that wrapper type."""
+    wt = wrapper_type(name)
+    if wt is None:
+        return False
+    patcher.remove_wrappers_with_key(wt, key)
+    patcher.add_wrapper_with_key(wt, key, fn)
+    return True
+
+
+_PREPARE_SAMPLING_NAMES = ("model", "noise_shape", "conds", "model_options")
+
+
+def prepare_sampling_args(args: tuple, kwargs: dict) -> dict:
+    """The arguments every version passes to a PREPARE_SAMPLING wrapper (after the executor),
+    by name, wherever they came: ``model``, ``noise_shape``, ``conds``, ``model_options``."""
+    got = dict(zip(_PREPARE_SAMPLING_NAMES, args, strict=False))
+    for k in _PREPARE_SAMPLING_NAMES:
+        if k in kwargs:
+            got[k] = kwargs[k]
+    got.setdefault("model_options", None)
+    return got
+
+
+# ---- executor -------------------------------------------------------------------------------
+
+
+def prompt_executor(server, cache_type=None):
+    """ComfyUI's ``PromptExecutor`` with the classic cache, on either signature: 0.33 needs
+    ``cache_args`` (RAM-pressure headroom read on every execute: 0, as ``main.py`` sets it for
+    the classic cache)."""
+    import execution
+
+    if cache_type is None:
+        cache_type = execution.CacheType.CLASSIC
+    params = inspect.signature(execution.PromptExecutor.__init__).parameters
+    if "cache_args" in params:
+        cache_args = {"lru": 0, "ram": 0, "ram_inactive": 0}
+        return execution.PromptExecutor(server, cache_type=cache_type, cache_args=cache_args)
+    return execution.PromptExecutor(server, cache_type=cache_type)
+
+
+# ---- DynamicVRAM ----------------------------------------------------------------------------
+
+
+def dynamic_vram_enabled() -> bool:
+    """Whether ComfyUI loads models through ModelPatcherDynamic (0.33+, enabled by main.py)."""
+    try:
+        import comfy.memory_management as cmm
+    except ImportError:  # 0.3.64: no DynamicVRAM
+        return False
+    return bool(getattr(cmm, "aimdo_enabled", False))
+
+
+def is_dynamic(patcher) -> bool:
+    """Whether ``patcher`` is a DynamicVRAM patcher (weights faulted in as layers run)."""
+    f = getattr(patcher, "is_dynamic", None)
+    try:
+        return bool(f()) if callable(f) else False
+    except Exception:  # never fail a run over the question
+        return False
+
+
+# ---- memory management ----------------------------------------------------------------------
+
+
+def loaded_patchers() -> list:
+    """The ModelPatchers ComfyUI has loaded, most recent first (``loaded_models()``)."""
+    import comfy.model_management as mm
+
+    return [p for p in mm.loaded_models() if p is not None]
+
+
+def _free(device, keep: list) -> list:
+    """``free_memory`` asked to free everything on ``device`` except the loaded ``keep``; returns
+    the patchers it unloaded."""
+    import comfy.model_management as mm
+
+    keep_loaded = [mm.LoadedModel(p) for p in keep]
+    out = mm.free_memory(1e30, device, keep_loaded=keep_loaded)
+    return [lm.model for lm in (out or []) if lm.model is not None]
+
+
+def unload_models_of(patcher, device=None) -> list:
+    """Unload, through ComfyUI's ``free_memory``, every loaded patcher that shares
+    ``patcher``'s model (its clones) from ``device`` (default: its load device); nothing else.
+    Returns the unloaded patchers; [] (logged once) when this ComfyUI's API does not fit."""
+    device = patcher.load_device if device is None else device
+    try:
+        keep = [p for p in loaded_patchers() if p.model is not patcher.model]
+        return _free(device, keep)
+    except Exception as e:
+        warn_once("free_memory", "ControlNet Accelerator: could not unload a model (%s)", e)
+        return []
+
+
+def unload_all_but(patchers, device) -> list:
+    """Unload from ``device`` every loaded model whose network is not one of ``patchers``'
+    (clones sharing a network are kept too). Returns the unloaded patchers."""
+    try:
+        nets = {id(p.model) for p in patchers}
+        keep = [p for p in loaded_patchers() if id(p.model) in nets]
+        return _free(device, keep)
+    except Exception as e:
+        warn_once("free_memory", "ControlNet Accelerator: could not unload idle models (%s)", e)
+        return []
+
+
+# ---- ComfyUI's own CUDA graphs --------------------------------------------------------------
+
+
+def comfyui_captures(module) -> bool:
+    """Whether ComfyUI's own CUDA-graph capture (0.33 ``comfy/model_prefetch.py``) holds a
+    graph for ``module`` or any module inside it. False on 0.3.64 and for SD1.5/SDXL UNets and
+    ControlNets (see the module docstring)."""
+    try:
+        return any(getattr(m, "_comfy_graph", None) is not None for m in module.modules())
+    except Exception:  # not a torch module
+        return False
