@@ -6,7 +6,7 @@ Public ops (shapes in their docstrings): ``control_merge``, ``control_merge_add_
 ``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``group_norm_silu``. ``list_backends()``
 says which backend is usable and why not; ``use_backend("eager")`` forces the fallback.
 Environment: ``CNA_KERNELS=auto|cuda|eager`` (auto: the CUDA kernels once validated on a GPU,
-see ``registry.VALIDATED_ON_GPU``), ``CNA_FORCE_EAGER=1`` (never build), ``CNA_KERNELS_VERBOSE=1``
+see ``registry.VALIDATED_SOURCES``), ``CNA_FORCE_EAGER=1`` (never build), ``CNA_KERNELS_VERBOSE=1``
 (show the compiler), ``CNA_KERNELS_CACHE=DIR`` (build cache), ``CNA_CUDA_ARCH=9.0`` (target
 without a GPU).
 """

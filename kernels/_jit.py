@@ -49,6 +49,7 @@ STALE_LOCK_S = 15 * 60
 _lock = threading.Lock()
 _module = None
 _tried = False
+_sources_hash: str | None = None
 
 
 def cuda_home() -> str | None:
@@ -85,13 +86,22 @@ def target_arch() -> str | None:
     return None
 
 
+def sources_hash() -> str:
+    """A hash of the kernel sources: the build cache key's part, and what a GPU validation is
+    recorded against (``registry.VALIDATED_SOURCES``). Read once per process."""
+    global _sources_hash
+    if _sources_hash is None:
+        h = hashlib.sha256()
+        for rel in SOURCES + HEADERS:
+            h.update(rel.encode())
+            h.update((CSRC / rel).read_bytes())
+        _sources_hash = h.hexdigest()[:16]
+    return _sources_hash
+
+
 def build_params(arch: str) -> dict:
-    h = hashlib.sha256()
-    for rel in SOURCES + HEADERS:
-        h.update(rel.encode())
-        h.update((CSRC / rel).read_bytes())
     return {
-        "sources": h.hexdigest()[:16],
+        "sources": sources_hash(),
         "cflags": CFLAGS,
         "nvcc_flags": NVCC_FLAGS,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _jit, eager, registry
+from . import _jit, constraints, eager, registry
 
 _OPS = ("control_merge", "quantize_int8", "dequant_add", "dequant_rows", "group_norm_silu")
 for _op in _OPS:
@@ -103,6 +103,11 @@ if not _registered("control_merge"):
 # -- public API ---------------------------------------------------------------------------------
 
 
+def _cna():
+    """The registered CUDA ops (one indirection, so tests can stand a checking double in)."""
+    return torch.ops.cna
+
+
 def _check_residuals(residuals: list[list[torch.Tensor]], strengths: torch.Tensor) -> int:
     if not residuals or not residuals[0]:
         raise ValueError(
@@ -114,11 +119,10 @@ def _check_residuals(residuals: list[list[torch.Tensor]], strengths: torch.Tenso
             raise ValueError(f"control_merge: net {i} has {len(net)} slots, net 0 has {k}")
         for j, r in enumerate(net):
             ref = residuals[0][j]
-            if r.shape != ref.shape or r.dtype != ref.dtype or r.device != ref.device:
+            if r.shape != ref.shape or r.device != ref.device:
                 raise ValueError(
-                    f"control_merge: residual[{i}][{j}] is {tuple(r.shape)} "
-                    f"{r.dtype} on {r.device}; net 0 has {tuple(ref.shape)} "
-                    f"{ref.dtype} on {ref.device}"
+                    f"control_merge: residual[{i}][{j}] is {tuple(r.shape)} on {r.device}; "
+                    f"net 0 has {tuple(ref.shape)} on {ref.device}"
                 )
     if strengths.numel() != len(residuals):
         raise ValueError(f"control_merge: {strengths.numel()} strengths for {len(residuals)} nets")
@@ -129,43 +133,109 @@ def _flat(residuals: list[list[torch.Tensor]]) -> list[torch.Tensor]:
     return [r.contiguous() for net in residuals for r in net]
 
 
+def _groups(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def _cuda_merge_plan(residuals, strengths, hidden=None) -> tuple[list, list] | str:
+    """How the CUDA kernel covers this merge: (net groups, slot groups), every launch within
+    the kernel's limits, or the reason it cannot (the caller then runs eager)."""
+    lim = constraints.CUDA_LIMITS["control_merge"]
+    why = constraints.uniform([r for net in residuals for r in net] + list(hidden or []))
+    if why:
+        return why
+    nets = _groups(len(residuals), lim["max_nets"])
+    slots = _groups(len(residuals[0]), lim["max_slots"])
+    for ng in nets:
+        for sg in slots:
+            why = constraints.cuda_launch_problem(
+                "control_merge",
+                residuals=[net[sg] for net in residuals[ng]],
+                outs=None if hidden is None else hidden[sg],
+                strengths=strengths[ng],
+            )
+            if why:
+                return why
+    return nets, slots
+
+
 def control_merge(
     residuals: list[list[torch.Tensor]], strengths: torch.Tensor
 ) -> list[torch.Tensor]:
     """out[k] = Σ_i strengths[i] · residuals[i][k] for every slot k, in one launch on CUDA.
-    Returns K new tensors (the residuals' dtype), computed in fp32 and rounded once."""
+    Returns K new tensors (the residuals' dtype), computed in fp32 and rounded once.
+
+    Any number of nets: the kernel merges up to ``CUDA_LIMITS["control_merge"]["max_nets"]``
+    in one launch; a longer chain adds the next groups in place, one launch (and one rounding
+    of the running sum) per further group. Nets whose residuals differ in dtype (stock ComfyUI
+    then adds them with type promotion) are merged in fp32 and returned in the promoted dtype.
+    """
     _check_residuals(residuals, strengths)
     backend = registry.select("control_merge", [r for net in residuals for r in net])
     if backend == "cuda":
-        s = strengths.to(device=residuals[0][0].device, dtype=torch.float32).contiguous()
-        return torch.ops.cna.control_merge(_flat(residuals), s, len(residuals))
+        plan = _cuda_merge_plan(residuals, strengths)
+        if isinstance(plan, str):
+            registry.note_fallback("control_merge", plan)
+        else:
+            nets, slots = plan
+            s = strengths.to(device=residuals[0][0].device, dtype=torch.float32).contiguous()
+            out: list[torch.Tensor] = []
+            for sg in slots:
+                first = residuals[nets[0]]
+                part = _cna().control_merge(
+                    _flat([net[sg] for net in first]), s[nets[0]].contiguous(), len(first)
+                )
+                for ng in nets[1:]:
+                    _cna().control_merge_add_(
+                        part, _flat([net[sg] for net in residuals[ng]]), s[ng].contiguous()
+                    )
+                out.extend(part)
+            return out
     return eager.control_merge(residuals, strengths)
 
 
 def control_merge_add_(
     hidden: list[torch.Tensor], residuals: list[list[torch.Tensor]], strengths: torch.Tensor
 ) -> None:
-    """hidden[k] += Σ_i strengths[i] · residuals[i][k], in place, every slot in one launch."""
+    """hidden[k] += Σ_i strengths[i] · residuals[i][k], in place, every slot in one launch
+    (any number of nets: see ``control_merge``)."""
     k = _check_residuals(residuals, strengths)
     if len(hidden) != k:
         raise ValueError(f"control_merge_add_: {len(hidden)} hidden tensors for {k} slots")
     for j, h in enumerate(hidden):
-        if h.shape != residuals[0][j].shape or h.dtype != residuals[0][j].dtype:
+        if h.shape != residuals[0][j].shape or h.device != residuals[0][j].device:
             raise ValueError(f"control_merge_add_: hidden[{j}] does not match residual slot {j}")
     backend = registry.select("control_merge", [*hidden, *(r for net in residuals for r in net)])
-    if backend == "cuda" and all(h.is_contiguous() for h in hidden):
-        s = strengths.to(device=hidden[0].device, dtype=torch.float32).contiguous()
-        torch.ops.cna.control_merge_add_(hidden, _flat(residuals), s)
-        return
+    if backend == "cuda":
+        plan = _cuda_merge_plan(residuals, strengths, hidden)
+        if isinstance(plan, str):
+            registry.note_fallback("control_merge", plan)
+        else:
+            nets, slots = plan
+            s = strengths.to(device=hidden[0].device, dtype=torch.float32).contiguous()
+            for sg in slots:
+                for ng in nets:
+                    _cna().control_merge_add_(
+                        hidden[sg], _flat([net[sg] for net in residuals[ng]]), s[ng].contiguous()
+                    )
+            return
     eager.control_merge_add_(hidden, residuals, strengths)
+
+
+def _cuda_ok(op: str, **args) -> bool:
+    why = constraints.cuda_launch_problem(op, **args)
+    if why is None:
+        return True
+    registry.note_fallback(op, why)
+    return False
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (B, C, *spatial) -> (q int8 same shape, scale float32 (B, C)); x ≈ q · scale."""
     if x.dim() < 2:
         raise ValueError(f"quantize_int8: x must be (B, C, ...), got {tuple(x.shape)}")
-    if registry.select("quantize_int8", [x]) == "cuda":
-        return torch.ops.cna.quantize_int8(x.contiguous())
+    if registry.select("quantize_int8", [x]) == "cuda" and _cuda_ok("quantize_int8", x=x):
+        return _cna().quantize_int8(x.contiguous())
     return eager.quantize_int8(x)
 
 
@@ -177,10 +247,14 @@ def dequant_add_(
         raise ValueError("dequant_add_: q must be int8 with hidden's shape")
     if scale.shape != hidden.shape[:2]:
         raise ValueError(f"dequant_add_: scale must be (B, C) = {tuple(hidden.shape[:2])}")
+    if strength.numel() != 1:
+        raise ValueError("dequant_add_: strength must be one value")
     backend = registry.select("dequant_add", [hidden, q, scale])
-    if backend == "cuda" and hidden.is_contiguous():
+    if backend == "cuda" and _cuda_ok(
+        "dequant_add", hidden=hidden, q=q, scale=scale, strength=strength
+    ):
         s = strength.to(device=hidden.device, dtype=torch.float32).reshape(1)
-        torch.ops.cna.dequant_add_(hidden, q.contiguous(), scale.float().contiguous(), s)
+        _cna().dequant_add_(hidden, q.contiguous(), scale.float().contiguous(), s)
         return
     eager.dequant_add_(hidden, q, scale, strength)
 
@@ -192,8 +266,8 @@ def dequant_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
         raise ValueError("dequant_rows: q must be int8 and scale hold one value per row")
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     backend = registry.select("dequant_rows", [out, q, scale])
-    if backend == "cuda" and q.is_contiguous() and scale.dtype == torch.float32:
-        torch.ops.cna.dequant_rows_(out, q, scale.contiguous())
+    if backend == "cuda" and _cuda_ok("dequant_rows", q=q, scale=scale, out=out):
+        _cna().dequant_rows_(out, q, scale.contiguous())
         return out
     return eager.dequant_rows(q, scale, dtype, out)
 
@@ -204,8 +278,10 @@ def group_norm_silu(
     """SiLU(GroupNorm(x)) for x (B, C, *spatial); weight, bias (C,) in x's dtype."""
     if x.dim() < 2 or x.shape[1] % groups:
         raise ValueError(f"group_norm_silu: x {tuple(x.shape)} needs C divisible by {groups}")
-    if registry.select("group_norm_silu", [x, weight, bias]) == "cuda":
-        return torch.ops.cna.group_norm_silu(
+    if registry.select("group_norm_silu", [x, weight, bias]) == "cuda" and _cuda_ok(
+        "group_norm_silu", x=x, weight=weight, bias=bias, groups=groups
+    ):
+        return _cna().group_norm_silu(
             x.contiguous(), weight.contiguous(), bias.contiguous(), groups, float(eps)
         )
     return eager.group_norm_silu(x, weight, bias, groups, eps)

@@ -35,23 +35,67 @@ _BACKENDS: dict[str, Backend] = {"cuda": Backend("cuda"), "eager": Backend("eage
 _forced = threading.local()
 
 # The CUDA kernels are chosen automatically only once their GPU tests have passed on real
-# hardware (tests/kernels, marker cuda): an unverified kernel must never change a picture.
-# Passed on an NVIDIA H200 (sm_90, torch 2.11 + CUDA 13), 2026-11-30: all 116 kernel tests.
-# Set this back to False (CNA_KERNELS=cuda then opts in) whenever a kernel changes untested.
-VALIDATED_ON_GPU = True
-# Ops added since that run: CUDA only when asked for (CNA_KERNELS=cuda) until theirs pass too.
-# (dequant_rows: its 15 CUDA cases passed on the H200, 2026-11-30, second session of the day;
-# its faster vector path of session 7 passed them again there, with dequant_add's: 37 of 37.)
+# hardware (tests/kernels, marker cuda): an unverified kernel must never change a picture. The
+# mark is the hash of the kernel sources those tests passed on (``_jit.sources_hash()``): any
+# change to a kernel source turns the automatic choice off until the tests pass again and this
+# hash is updated (CNA_KERNELS=cuda opts in meanwhile).
+# Passed on an NVIDIA H200 (sm_90, torch 2.11 + CUDA 13): every kernel test.
+VALIDATED_SOURCES = "34cb5ae2ef68ba52"
+# Ops added after that validation: CUDA only when asked for (CNA_KERNELS=cuda) until theirs pass.
 NOT_YET_VALIDATED: set[str] = set()
+
+_MODES = ("auto", "cuda", "eager")
+_mode: str | None = None  # CNA_KERNELS, read once (``refresh_mode`` re-reads it)
+_fallbacks_logged: set[tuple[str, str]] = set()  # bounded: one entry per op and limit reason
+
+
+def mode() -> str:
+    """``CNA_KERNELS`` (auto, cuda or eager), read once per process."""
+    global _mode
+    if _mode is None:
+        m = os.environ.get("CNA_KERNELS", "auto").strip().lower() or "auto"
+        if m not in _MODES:
+            logger.warning(
+                "ControlNet Accelerator kernels: CNA_KERNELS=%r is not one of %s; using auto",
+                m,
+                "/".join(_MODES),
+            )
+            m = "auto"
+        _mode = m
+    return _mode
+
+
+def refresh_mode() -> None:
+    """Re-read ``CNA_KERNELS`` (tests; a process changing it after the first op)."""
+    global _mode
+    _mode = None
+
+
+def _sources_validated() -> bool:
+    from . import _jit
+
+    try:
+        return _jit.sources_hash() == VALIDATED_SOURCES
+    except OSError:  # sources missing from a broken install: never by default
+        return False
 
 
 def _cuda_by_default(op: str | None = None) -> bool:
-    mode = os.environ.get("CNA_KERNELS", "auto")
-    if mode == "eager":
+    m = mode()
+    if m == "eager":
         return False
-    if mode == "cuda":
+    if m == "cuda":
         return True
-    return VALIDATED_ON_GPU and op not in NOT_YET_VALIDATED
+    return _sources_validated() and op not in NOT_YET_VALIDATED
+
+
+def note_fallback(op: str, reason: str) -> None:
+    """One log line per op and reason when a call falls outside a CUDA kernel's limits."""
+    key = (op, reason)
+    if key in _fallbacks_logged:
+        return
+    _fallbacks_logged.add(key)
+    logger.info("ControlNet Accelerator kernels: %s runs on PyTorch for this input: %s", op, reason)
 
 
 def register(backend: str, op: str) -> None:
@@ -122,29 +166,53 @@ def select(op: str, tensors: list[torch.Tensor]) -> str:
     raise NoCapableBackend(f"no backend can run {op}: " + "; ".join(reasons))
 
 
-def list_backends() -> list[dict]:
-    """Each backend, whether it is usable, why not, whether it is loaded, and its ops.
+def _cuda_static_reason() -> str | None:
+    """Why the CUDA backend cannot serve on this machine, known without building it."""
+    from . import _jit
 
-    The cuda backend reads ``available`` until a first CUDA op tries to build it (``loaded``
-    False); after a failed build it is unavailable with the reason.
-    """
+    if mode() == "eager":
+        return "switched off (CNA_KERNELS=eager)"
+    if os.environ.get("CNA_FORCE_EAGER") == "1":
+        return "switched off (CNA_FORCE_EAGER=1)"
+    if torch.version.cuda is None:
+        return "this PyTorch build has no CUDA"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU visible"
+    if _jit.cuda_home() is None:
+        return "no CUDA compiler (nvcc not on PATH, CUDA_HOME unset)"
+    return None
+
+
+def list_backends() -> list[dict]:
+    """Each backend: whether it can serve on this machine (``available``) and why not
+    (``reason``: switched off, no CUDA in this PyTorch, no GPU, no compiler, or the build's
+    error once a build failed), whether it is loaded, whether the ops use it by default, and why
+    not (``note``), and its ops. The CUDA extension builds on the first CUDA op, so ``loaded``
+    stays False until then."""
     from . import _jit
 
     out = []
     for b in _BACKENDS.values():
         loaded = True if b.name == "eager" else _jit.is_loaded()
+        reason = b.unavailable
+        if b.name == "cuda" and reason is None and not loaded:
+            reason = _cuda_static_reason()
         entry = {
             "name": b.name,
-            "available": b.unavailable is None,
+            "available": reason is None,
             "loaded": loaded,
-            "reason": b.unavailable,
+            "reason": reason,
             "ops": sorted(b.ops),
         }
         if b.name == "cuda":
-            entry["used_by_default"] = _cuda_by_default()
-            if not _cuda_by_default() and b.unavailable is None:
+            by_default = reason is None and _cuda_by_default()
+            entry["used_by_default"] = by_default
+            if reason is None and not by_default:
                 entry["note"] = (
-                    "not used by default until validated on a GPU; set CNA_KERNELS=cuda to use it"
+                    "the kernel sources differ from those last validated on a GPU; set "
+                    "CNA_KERNELS=cuda to use them anyway"
+                    if mode() == "auto"
+                    else f"not used (CNA_KERNELS={mode()})"
                 )
         out.append(entry)
     return out

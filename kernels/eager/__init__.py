@@ -12,15 +12,18 @@ def control_merge(
     residuals: list[list[torch.Tensor]], strengths: torch.Tensor
 ) -> list[torch.Tensor]:
     """out[k] = Σ_i strengths[i] · residuals[i][k]; residuals: N nets × K slots, same shapes
-    per slot; strengths: (N,) float32. Returns K tensors in the residuals' dtype."""
+    per slot; strengths: (N,) float32. Returns K tensors in the residuals' dtype (the promoted
+    one where nets differ, as stock ComfyUI's sum gives)."""
     n = len(residuals)
     s = strengths.to(torch.float32)
     out = []
     for k in range(len(residuals[0])):
         acc = residuals[0][k].float() * s[0]
+        dtype = residuals[0][k].dtype
         for i in range(1, n):
             acc = acc + residuals[i][k].float() * s[i]
-        out.append(acc.to(residuals[0][k].dtype))
+            dtype = torch.promote_types(dtype, residuals[i][k].dtype)
+        out.append(acc.to(dtype))
     return out
 
 

@@ -233,7 +233,12 @@ def test_group_norm_silu_matches_reference(device, dtype, shape):
             torch.nn.functional.silu(torch.nn.functional.group_norm(x, 32, w, b, 1e-5)), ref
         )
         err = _rel(got, ref)
-        assert err <= max(2 * torch_err, TOL[dtype]), (err, torch_err)
+        # On the CPU the eager op IS PyTorch's GroupNorm + SiLU, so the rule above would compare
+        # it with itself: there it must meet a fixed bound against the fp64 math, the dtype's
+        # rounding, or 3e-5 for fp32: PyTorch's fp32 variance leaves ~1e-5 on groups of one
+        # element, which 1/sqrt(eps) amplifies.
+        bound = max(2 * torch_err, TOL[dtype]) if device == "cuda" else max(TOL[dtype], 3e-5)
+        assert err <= bound, (err, torch_err)
 
 
 def test_group_norm_silu_eager_matches_manual_reference():
@@ -294,8 +299,75 @@ def test_forcing_an_unusable_backend_lists_every_reason():
         kernels.group_norm_silu(torch.zeros(1, 32, 2, 2), torch.ones(32), torch.zeros(32))
 
 
-def test_cache_key_changes_with_sources_and_arch():
+def test_cache_key_changes_with_sources_and_arch(tmp_path, monkeypatch):
     a = _jit.build_params("9.0")
     b = _jit.build_params("8.9")
     assert a != b and a["sources"] == b["sources"]
     assert set(a) >= {"sources", "torch", "cuda", "arch", "python", "nvcc_flags"}
+    # the same sources elsewhere hash the same; one changed byte in one kernel changes the key
+    import shutil
+
+    csrc = tmp_path / "csrc"
+    shutil.copytree(_jit.CSRC, csrc)
+    monkeypatch.setattr(_jit, "CSRC", csrc)
+    monkeypatch.setattr(_jit, "_sources_hash", None)
+    assert _jit.build_params("9.0") == a
+    cu = csrc / "ops" / "control_merge.cu"
+    cu.write_text(cu.read_text() + "\n// changed\n")
+    monkeypatch.setattr(_jit, "_sources_hash", None)
+    c = _jit.build_params("9.0")
+    assert c["sources"] != a["sources"] and {k: v for k, v in c.items() if k != "sources"} == {
+        k: v for k, v in a.items() if k != "sources"
+    }
+
+
+def test_changed_kernel_sources_are_not_used_by_default(monkeypatch):
+    """The automatic choice holds only for the sources that passed their GPU tests."""
+    registry.refresh_mode()
+    monkeypatch.delenv("CNA_KERNELS", raising=False)
+    try:
+        monkeypatch.setattr(_jit, "_sources_hash", registry.VALIDATED_SOURCES)
+        assert registry._cuda_by_default("control_merge")
+        monkeypatch.setattr(_jit, "_sources_hash", "0" * 16)
+        assert not registry._cuda_by_default("control_merge")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(_jit, "cuda_home", lambda: "/opt/cuda")
+        rep = {b["name"]: b for b in kernels.list_backends()}["cuda"]
+        assert rep["available"] and not rep["used_by_default"]
+        assert "validated" in rep["note"] and "CNA_KERNELS=cuda" in rep["note"]
+        monkeypatch.setenv("CNA_KERNELS", "cuda")
+        registry.refresh_mode()
+        assert registry._cuda_by_default("control_merge")
+    finally:
+        monkeypatch.delenv("CNA_KERNELS", raising=False)
+        registry.refresh_mode()
+
+
+@pytest.mark.parametrize(
+    "setup, reason",
+    [
+        ({"gpu": False}, "no CUDA GPU visible"),
+        ({"nvcc": False}, "no CUDA compiler"),
+        ({"env": ("CNA_KERNELS", "eager")}, "switched off (CNA_KERNELS=eager)"),
+        ({"env": ("CNA_FORCE_EAGER", "1")}, "switched off (CNA_FORCE_EAGER=1)"),
+    ],
+    ids=["no-gpu", "no-compiler", "kernels-eager", "force-eager"],
+)
+def test_list_backends_says_why_cuda_is_not_used_on_this_machine(monkeypatch, setup, reason):
+    _jit.reset_for_tests()
+    monkeypatch.delenv("CNA_KERNELS", raising=False)
+    monkeypatch.delenv("CNA_FORCE_EAGER", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: setup.get("gpu", True))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(_jit, "cuda_home", lambda: "/opt/cuda" if setup.get("nvcc", True) else None)
+    if "env" in setup:
+        monkeypatch.setenv(*setup["env"])
+    registry.refresh_mode()
+    try:
+        rep = {b["name"]: b for b in kernels.list_backends()}["cuda"]
+        assert rep["available"] is False and rep["used_by_default"] is False
+        assert reason in rep["reason"]
+    finally:
+        monkeypatch.delenv("CNA_KERNELS", raising=False)
+        registry.refresh_mode()
+        _jit.reset_for_tests()
