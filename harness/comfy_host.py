@@ -85,6 +85,47 @@ class Host:
 _HOST: Host | None = None
 
 
+class HeadlessServer:
+    """What ComfyUI's executor, progress hooks and own nodes touch on ``PromptServer.instance``
+    when no web server runs: messages go nowhere; 0.33's node-replacement registry is real."""
+
+    client_id = None
+    last_node_id = None
+    last_prompt_id = None
+
+    def __init__(self):
+        self.sockets_metadata: dict = {}
+        try:
+            from app.node_replace_manager import NodeReplaceManager
+        except ImportError:  # 0.3.64
+            self.node_replace_manager = None
+        else:
+            self.node_replace_manager = NodeReplaceManager()
+
+    def send_sync(self, *args, **kwargs):
+        pass
+
+    def send_progress_text(self, *args, **kwargs):
+        pass
+
+    def queue_updated(self):
+        pass
+
+
+def _headless_prompt_server() -> None:
+    """main.py creates the web server before loading nodes, and some of ComfyUI's own nodes
+    register with ``PromptServer.instance`` when they load (0.33's node replacements): here a
+    ``HeadlessServer`` stands in. Without aiohttp ``server`` does not import and nodes that
+    need it fail to import, as they would in ComfyUI."""
+    try:
+        import server
+    except ImportError as e:
+        logging.getLogger(__name__).info("ComfyUI's server module unavailable (%s)", e)
+        return
+    if getattr(server.PromptServer, "instance", None) is None:
+        server.PromptServer.instance = HeadlessServer()
+
+
 def bootstrap(
     *,
     cpu: bool | None = None,
@@ -171,9 +212,10 @@ def bootstrap(
             d.mkdir(parents=True, exist_ok=True)
             setter(str(d))
 
-    import comfy.utils  # noqa: F401  (main.py's order: comfy.utils, execution, nodes)
+    import comfy.utils  # noqa: F401  (main.py's order: comfy.utils, execution, server, nodes)
     import execution  # noqa: F401
 
+    _headless_prompt_server()
     import nodes
 
     dynamic = _enable_dynamic_vram(args)

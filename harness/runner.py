@@ -20,19 +20,10 @@ class WorkflowFailed(RuntimeError):
     pass
 
 
-class _HeadlessServer:
-    """The few attributes ``execution.py`` and ``comfy_execution.progress`` touch on the server."""
+def _HeadlessServer():  # noqa: N802 - the executor's server object
+    from .comfy_host import HeadlessServer
 
-    client_id = None
-    last_node_id = None
-    last_prompt_id = None
-    sockets_metadata: dict = {}
-
-    def send_sync(self, *args, **kwargs):
-        pass
-
-    def queue_updated(self):
-        pass
+    return HeadlessServer()
 
 
 @dataclass
@@ -145,7 +136,9 @@ class Runner:
 
     def output_of(self, node_id: str) -> list:
         """The cached outputs of a node from the last run (one list entry per output slot)."""
-        entry = self.executor.caches.outputs.get(str(node_id))
+        from ..nodes import compat
+
+        entry = compat.cached_output(self.executor, node_id)
         if entry is None:
             raise WorkflowFailed(f"node {node_id} produced no output")
         outs = getattr(entry, "outputs", entry)

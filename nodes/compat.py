@@ -15,7 +15,8 @@ What differs, and how each is handled:
   version passes, positional or keyword.
 - **Executor arguments.** 0.33's ``PromptExecutor(server, cache_type, cache_args)`` reads
   ``cache_args["ram"]`` and ``["ram_inactive"]`` on every ``execute``; 0.3.64 has no
-  ``cache_args``. ``prompt_executor`` builds one either way.
+  ``cache_args``. ``prompt_executor`` builds one either way. 0.33's output cache answers
+  ``get`` with a coroutine: ``cached_output``.
 - **DynamicVRAM.** 0.33 loads models through ``ModelPatcherDynamic`` (comfy-aimdo) when
   ``main.py`` enables it: on NVIDIA GPUs by default, never with ``--cpu`` or
   ``--disable-dynamic-vram``. Weights of ComfyUI's own layers (``comfy_cast_weights``) are then
@@ -150,6 +151,17 @@ def prompt_executor(server, cache_type=None):
         cache_args = {"lru": 0, "ram": 0, "ram_inactive": 0}
         return execution.PromptExecutor(server, cache_type=cache_type, cache_args=cache_args)
     return execution.PromptExecutor(server, cache_type=cache_type)
+
+
+def cached_output(executor, node_id):
+    """A node's entry in ``executor``'s output cache (None if absent): 0.33's cache ``get`` is a
+    coroutine, 0.3.64's a plain call. Called outside an event loop (after ``execute``)."""
+    got = executor.caches.outputs.get(str(node_id))
+    if inspect.isawaitable(got):
+        import asyncio
+
+        got = asyncio.run(got)
+    return got
 
 
 # ---- DynamicVRAM ----------------------------------------------------------------------------
