@@ -91,6 +91,26 @@ def prepare_base(base: Path, pack_root: Path, models: dict[str, Path], image: Pa
     return base
 
 
+# Starts ComfyUI's main.py with the torchaudio stand-in installed first (argv: main.py's own).
+_LAUNCH = (
+    "import runpy, sys, importlib.util as u; "
+    "s = u.spec_from_file_location('torchaudio_standin', sys.argv.pop(1)); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); m.install(force=True); "
+    "sys.argv[0] = 'main.py'; runpy.run_path('main.py', run_name='__main__')"
+)
+
+
+def _main_py() -> list[str]:
+    """How to start ComfyUI's ``main.py``: as is, or, where ``import torchaudio`` fails here,
+    through a launcher that installs the import-only stand-in first (ComfyUI 0.33 imports
+    torchaudio on the model-loading path; ``torchaudio_standin.py``)."""
+    from . import torchaudio_standin
+
+    if torchaudio_standin.needed() is None:
+        return ["main.py"]
+    return ["-c", _LAUNCH, str(Path(torchaudio_standin.__file__).resolve())]
+
+
 class ComfyServer:
     """``python main.py --cpu`` (or on the GPU) as a child process; ``url`` once it answers."""
 
@@ -115,7 +135,7 @@ class ComfyServer:
         cmd = (
             [
                 sys.executable,
-                "main.py",
+                *_main_py(),
                 "--listen",
                 "127.0.0.1",
                 "--port",

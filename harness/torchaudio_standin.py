@@ -81,7 +81,7 @@ def is_standin(module) -> bool:
 def needed() -> str | None:
     """Why the stand-in is needed (the import error), or None when torchaudio imports."""
     if "torchaudio" in sys.modules:
-        return None
+        return "the stand-in is installed" if is_standin(sys.modules["torchaudio"]) else None
     if importlib.util.find_spec("torchaudio") is None:  # no import (and no torch import) needed
         return "No module named 'torchaudio'"
     try:
@@ -97,6 +97,8 @@ def install(force: bool = False) -> str | None:
     """Install the stand-in if ``import torchaudio`` fails (``force``: without trying, because
     the caller already did); returns why it was needed, or None when a real torchaudio (or the
     stand-in already) is in place."""
+    if is_standin(sys.modules.get("torchaudio")):
+        return "the stand-in is installed"
     why = "forced by the caller" if force and "torchaudio" not in sys.modules else needed()
     if why is None:
         return None

@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The compatibility seam (``nodes/compat.py``) against the ComfyUI tree in use (0.3.64 or 0.33):
+wrapper arguments pass through, the executor starts on either signature, models are unloaded
+through ComfyUI's ``free_memory``, DynamicVRAM is detected, and the Memory Pool never edits a
+patcher another node returned."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.host
+
+
+def _pack(host):
+    return sys.modules[host.pack_module_name]
+
+
+def _loaded(tiny_models):
+    import comfy.sd
+
+    model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
+    )
+    return model
+
+
+def test_version_is_read_from_the_tree(host):
+    compat = _pack(host).nodes.compat
+    from comfyui_controlnet_accelerator.harness import comfy_host
+
+    v = compat.comfyui_version()
+    assert v is not None and v == host.version == comfy_host.comfyui_version(host.root)
+    assert compat.version_tuple(v)[:2] in ((0, 3), (0, 33)) and compat.version_tuple("x") == ()
+
+
+def test_prepare_sampling_args_by_position_or_keyword(host):
+    compat = _pack(host).nodes.compat
+    a = compat.prepare_sampling_args(("m", (1, 4, 8, 8), {"c": 1}), {"model_options": {"o": 1}})
+    assert a == {"model": "m", "noise_shape": (1, 4, 8, 8), "conds": {"c": 1},
+                 "model_options": {"o": 1}}  # fmt: skip
+    b = compat.prepare_sampling_args((), {"model": "m", "conds": {}, "force_full_load": True})
+    assert b["model"] == "m" and b["conds"] == {} and b["model_options"] is None
+    assert "force_full_load" not in b
+
+
+def test_the_executor_starts_on_this_versions_signature(host):
+    import execution
+
+    compat = _pack(host).nodes.compat
+    from comfyui_controlnet_accelerator.harness import comfy_host
+
+    ex = compat.prompt_executor(comfy_host.HeadlessServer())
+    assert ex.cache_type == execution.CacheType.CLASSIC
+    if "cache_args" in inspect.signature(execution.PromptExecutor.__init__).parameters:
+        assert ex.cache_args["ram"] == 0 and ex.cache_args["ram_inactive"] == 0
+
+
+class _Executor:
+    """Records what a wrapper passes on to ComfyUI's function."""
+
+    def __init__(self, class_obj=None, during=None):
+        self.class_obj, self.during, self.calls = class_obj, during, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        if self.during is not None:
+            self.during()
+        return "result"
+
+
+@pytest.mark.parametrize("weights", ["as loaded", "int8"])
+def test_memory_pool_prepare_sampling_passes_new_arguments_through(host, tiny_models, weights):
+    """0.33 calls PREPARE_SAMPLING wrappers with force_full_load/force_offload; whatever comes
+    reaches ComfyUI unchanged, and ComfyUI's estimate is its own again afterwards."""
+    mp = _pack(host).nodes.memory_pool
+    model = _loaded(tiny_models)
+    m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions(unet_weights=weights))
+    import comfy.patcher_extension as pe
+
+    (wrapper,) = m.get_wrappers(pe.WrappersMP.PREPARE_SAMPLING, mp.WRAPPER_KEY)
+    seen = {}
+    ex = _Executor(during=lambda: seen.update(inner=m.model.memory_required([2, 4, 8, 8])))
+    before = m.model.memory_required([2, 4, 8, 8])
+    out = wrapper(ex, m, (1, 4, 8, 8), {}, model_options={}, force_full_load=True, new_arg=3)
+    assert out == "result"
+    ((args, kwargs),) = ex.calls
+    assert args == (m, (1, 4, 8, 8), {})
+    assert kwargs == {"model_options": {}, "force_full_load": True, "new_arg": 3}
+    reserve = wrapper.__self__.reserve_bytes([m])
+    assert (reserve > 0) == (weights == "int8")
+    assert seen["inner"] == before + reserve  # the pool's working memory, for this call only
+    assert "memory_required" not in vars(m.model)
+
+
+def test_memory_pool_outer_sample_passes_new_arguments_through(host, tiny_models):
+    mp = _pack(host).nodes.memory_pool
+    m, _ = mp.apply_memory_pool(_loaded(tiny_models), None, mp.PoolOptions())
+    import comfy.patcher_extension as pe
+
+    (wrapper,) = m.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, mp.WRAPPER_KEY)
+    guider = type("Guider", (), {"model_patcher": m, "conds": {}})()
+    ex = _Executor(class_obj=guider)
+    assert wrapper(ex, "noise", "latent", latent_shapes=[(1, 4, 8, 8)]) == "result"
+    assert ex.calls == [(("noise", "latent"), {"latent_shapes": [(1, 4, 8, 8)]})]
+
+
+def test_a_later_lora_is_handled_on_a_clone_never_on_the_lora_nodes_output(host, tiny_models):
+    """A LoRA applied after the pool: this run samples a clone without our patch on that layer;
+    the LoRA node's patcher (a cached output of another node) is left exactly as it was."""
+    mp = _pack(host).nodes.memory_pool
+    model = _loaded(tiny_models)
+    m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
+    name = next(k for k, v in m.object_patches.items() if isinstance(v, mp.wc._Replaced))
+    w = model.model.state_dict()[f"{name}.weight"]
+    lora = m.clone()
+    lora.add_patches({f"{name}.weight": (torch.full_like(w, 0.01),)}, 1.0)
+    before = dict(lora.object_patches)
+    guider = type("Guider", (), {"model_patcher": lora, "conds": {}})()
+    seen = {}
+
+    def during():
+        p = guider.model_patcher
+        seen.update(clone=p is not lora, has=name in p.object_patches, n=len(p.object_patches))
+
+    import comfy.patcher_extension as pe
+
+    (wrapper,) = lora.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, mp.WRAPPER_KEY)
+    wrapper(_Executor(class_obj=guider, during=during))
+    assert seen == {"clone": True, "has": False, "n": len(before) - 1}
+    assert guider.model_patcher is lora and lora.object_patches == before
+
+
+def test_unloading_goes_through_comfyuis_free_memory(host, tiny_models, monkeypatch):
+    import comfy.model_management as mm
+
+    compat = _pack(host).nodes.compat
+    a, b = _loaded(tiny_models), _loaded(tiny_models)
+    mm.load_models_gpu([a, b])
+    assert {id(p) for p in compat.loaded_patchers()} >= {id(a), id(b)}
+    asked = []
+    orig = mm.free_memory
+
+    def spy(memory_required, device, keep_loaded=(), **kw):
+        asked.append({id(lm.model) for lm in keep_loaded})
+        return orig(memory_required, device, keep_loaded=keep_loaded, **kw)
+
+    monkeypatch.setattr(mm, "free_memory", spy)
+    gone = compat.unload_models_of(a)
+    assert [id(p) for p in gone] == [id(a)] and id(b) in asked[-1] and id(a) not in asked[-1]
+    loaded = {id(p) for p in compat.loaded_patchers()}
+    assert id(a) not in loaded and id(b) in loaded
+    gone = compat.unload_all_but([b], b.load_device)
+    assert id(b) in {id(p) for p in compat.loaded_patchers()}
+    assert id(b) not in {id(p) for p in gone}
+    mm.unload_all_models()
+
+
+def test_dynamic_vram_is_detected_and_the_pool_leaves_working_memory_to_it(
+    host, tiny_models, caplog
+):
+    compat = _pack(host).nodes.compat
+    mp = _pack(host).nodes.memory_pool
+    model = _loaded(tiny_models)
+    assert compat.is_dynamic(model) == bool(getattr(model, "is_dynamic", lambda: False)())
+    if host.cpu:  # 0.33 never uses ModelPatcherDynamic on the CPU; 0.3.64 has none
+        assert not compat.dynamic_vram_enabled() and not compat.is_dynamic(model)
+    m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
+    m.is_dynamic = lambda: True  # a DynamicVRAM patcher, as 0.33 makes them on NVIDIA GPUs
+    import comfy.patcher_extension as pe
+
+    (wrapper,) = m.get_wrappers(pe.WrappersMP.PREPARE_SAMPLING, mp.WRAPPER_KEY)
+    seen = {}
+    ex = _Executor(during=lambda: seen.update(edited="memory_required" in vars(m.model)))
+    compat._warned.discard("pool:dynamic")
+    with caplog.at_level(logging.INFO):
+        wrapper(ex, m, (1, 4, 8, 8), {}, model_options={})
+        wrapper(ex, m, (1, 4, 8, 8), {}, model_options={})
+    assert seen == {"edited": False} and len(ex.calls) == 2
+    lines = [r for r in caplog.records if "DynamicVRAM is on" in r.getMessage()]
+    assert len(lines) == 1  # once per process
+
+
+def test_comfyuis_own_cuda_graphs_never_hold_our_models(host, tiny_models):
+    """ComfyUI 0.33 captures graphs only for LLM text-encoder layers (model_prefetch.py); the
+    check the pack can use says False for an SD UNet and True once a module holds one."""
+    compat = _pack(host).nodes.compat
+    unet = _loaded(tiny_models).model.diffusion_model
+    assert not compat.comfyui_captures(unet)
+    layer = torch.nn.Linear(2, 2)
+    layer._comfy_graph = {"graph": object(), "signature": None}
+    assert compat.comfyui_captures(torch.nn.Sequential(layer))
+    assert not compat.comfyui_captures(object())
+
+
+def test_a_missing_wrapper_type_fails_soft_with_one_line(host, caplog, monkeypatch):
+    compat = _pack(host).nodes.compat
+    import comfy.patcher_extension as pe
+
+    class Patcher:
+        def remove_wrappers_with_key(self, *a):
+            raise AssertionError("not called")
+
+        add_wrapper_with_key = remove_wrappers_with_key
+
+    monkeypatch.delattr(pe.WrappersMP, "CALC_COND_BATCH")
+    compat._warned.discard("wrapper:CALC_COND_BATCH")
+    with caplog.at_level(logging.WARNING):
+        assert compat.set_wrapper(Patcher(), "CALC_COND_BATCH", "k", print) is False
+        assert compat.set_wrapper(Patcher(), "CALC_COND_BATCH", "k", print) is False
+    assert sum("no CALC_COND_BATCH wrapper" in r.getMessage() for r in caplog.records) == 1
