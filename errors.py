@@ -5,9 +5,23 @@ from __future__ import annotations
 
 import torch
 
+# ComfyUI reports an error's type as ``<class __module__>.<class name>`` (execution.py,
+# ``full_type_name``). The pack's modules are named after the folder ComfyUI loaded it from (a
+# file path), so every pack exception carries this short, stable name instead: the user sees
+# ``controlnet_accelerator.NodeInputError`` wherever the pack is installed.
+PUBLIC_MODULE = "controlnet_accelerator"
+
 
 class ControlNetAcceleratorError(RuntimeError):
-    """Root of every error the pack raises on purpose."""
+    """Root of every error the pack raises on purpose. Subclasses, wherever they are defined,
+    report the short module name ``PUBLIC_MODULE``."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__module__ = PUBLIC_MODULE
+
+
+ControlNetAcceleratorError.__module__ = PUBLIC_MODULE
 
 
 class NodeInputError(ControlNetAcceleratorError, ValueError):

@@ -12,6 +12,7 @@ from ..errors import NodeInputError
 from .cuda_graph import GraphOptions, apply_cuda_graph
 from .fused_apply import context_width, family
 from .status import node_id_of
+from .validate import check_choices, sampler_choices, widget_errors
 
 CATEGORY = "ControlNet Accelerator/sampling"
 
@@ -191,6 +192,12 @@ class KSamplerCUDAGraph(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, sampler_name=None, scheduler=None):
+        # Named here, both combos are checked by the node on every ComfyUI version (0.3.x does
+        # not check V3 combos), with the message ``execute`` raises for linked values.
+        return widget_errors(KSAMPLER, _sampler_inputs(sampler_name, scheduler)) or True
+
+    @classmethod
     def execute(
         cls,
         model,
@@ -209,6 +216,7 @@ class KSamplerCUDAGraph(io.ComfyNode):
         channels_last=False,
         concurrent_controlnet=True,
     ):
+        check_choices(KSAMPLER, _sampler_inputs(sampler_name, scheduler))
         import nodes
 
         node_id = node_id_of(cls)
@@ -236,6 +244,11 @@ class KSamplerCUDAGraph(io.ComfyNode):
 
 
 KSAMPLER = "KSampler (CUDA Graph)"
+
+
+def _sampler_inputs(sampler_name, scheduler) -> dict:
+    samplers, schedulers = sampler_choices()
+    return {"sampler_name": (sampler_name, samplers), "scheduler": (scheduler, schedulers)}
 
 
 def check_control_family(node: str, model, **conds) -> None:

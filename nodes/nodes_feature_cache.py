@@ -10,6 +10,7 @@ from ..errors import NodeInputError
 from ..memory.feature_cache import MODES, STORAGES, CacheConfig
 from .feature_cache import apply_cache
 from .status import node_id_of
+from .validate import check_choices, widget_errors
 
 CATEGORY = "ControlNet Accelerator/loaders"
 NODE = "ControlNet Feature Cache"
@@ -105,12 +106,19 @@ class ControlNetFeatureCache(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, reuse_start=0.0, reuse_end=1.0):
-        # Inputs named here skip ComfyUI's own range check, so both ranges are checked here.
+    def validate_inputs(cls, mode=None, storage=None, reuse_start=0.0, reuse_end=1.0):
+        # Inputs named here skip ComfyUI's own checks, so both ranges are checked here, and the
+        # combos on every ComfyUI version (0.3.x does not check V3 combos) with the message
+        # ``execute`` raises for linked values. Linked values arrive as None.
+        bad = widget_errors(NODE, _combo_inputs(mode, storage))
+        if bad:
+            return bad
         for name, v in (("reuse_start", reuse_start), ("reuse_end", reuse_end)):
+            if v is None:  # linked: checked in execute
+                continue
             if not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
                 return f"ControlNet Feature Cache: {name} is {v!r}; use a fraction from 0 to 1."
-        if reuse_start > reuse_end:
+        if reuse_start is not None and reuse_end is not None and reuse_start > reuse_end:
             return (
                 f"ControlNet Feature Cache: reuse_start ({reuse_start}) is after reuse_end "
                 f"({reuse_end}); set reuse_start <= reuse_end."
@@ -146,11 +154,7 @@ class ControlNetFeatureCache(io.ComfyNode):
 def check_inputs(**values) -> None:
     """Values that reach ``execute`` through links skip ComfyUI's widget checks (and
     ``validate_inputs`` sees only widget values): refuse them here with the input's name."""
-    for name, options in (("mode", MODES), ("storage", STORAGES)):
-        if values[name] not in options:
-            raise NodeInputError(
-                NODE, name, f"is {values[name]!r}", f"Choose one of {', '.join(options)}."
-            )
+    check_choices(NODE, _combo_inputs(values["mode"], values["storage"]))
     for name, (lo, hi) in RANGES.items():
         v = values[name]
         whole = isinstance(lo, int)  # an INT input
@@ -168,6 +172,10 @@ def check_inputs(**values) -> None:
             f"({values['reuse_start']}) is after reuse_end ({values['reuse_end']})",
             "Set reuse_start to at most reuse_end.",
         )
+
+
+def _combo_inputs(mode, storage) -> dict:
+    return {"mode": (mode, MODES), "storage": (storage, STORAGES)}
 
 
 NODES = [ControlNetFeatureCache]

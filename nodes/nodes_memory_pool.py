@@ -8,8 +8,10 @@ from comfy_api.latest import io
 
 from .memory_pool import WEIGHT_MODES, PoolOptions, apply_memory_pool
 from .status import node_id_of
+from .validate import check_choices, widget_errors
 
 CATEGORY = "ControlNet Accelerator/loaders"
+NODE = "ControlNet Memory Pool"
 _D = PoolOptions()
 
 
@@ -68,6 +70,12 @@ class ControlNetMemoryPool(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, unet_weights=None, controlnet_weights=None):
+        # Named here, both combos are checked by the node on every ComfyUI version (0.3.x does
+        # not check V3 combos), with the message ``execute`` raises for linked values.
+        return widget_errors(NODE, _weight_inputs(unet_weights, controlnet_weights)) or True
+
+    @classmethod
     def execute(
         cls,
         model,
@@ -76,9 +84,17 @@ class ControlNetMemoryPool(io.ComfyNode):
         controlnet_weights=_D.controlnet_weights,
         offload_idle_models=_D.offload_idle_models,
     ) -> io.NodeOutput:
+        check_choices(NODE, _weight_inputs(unet_weights, controlnet_weights))
         opts = PoolOptions(unet_weights, controlnet_weights, bool(offload_idle_models))
         m, cn = apply_memory_pool(model, control_net, opts, node_id=node_id_of(cls))
         return io.NodeOutput(m, cn)
+
+
+def _weight_inputs(unet_weights, controlnet_weights) -> dict:
+    return {
+        "unet_weights": (unet_weights, WEIGHT_MODES),
+        "controlnet_weights": (controlnet_weights, WEIGHT_MODES),
+    }
 
 
 NODES = [ControlNetMemoryPool]
