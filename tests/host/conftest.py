@@ -1,0 +1,65 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Host tests share one in-process ComfyUI: release what a test loaded before the next one runs,
+so the suite's memory stays bounded (the CI machine has 24 GB for the whole run), and register
+the run's memory guard (``tests/_rss_guard.py``)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_GUARD = "cna_rss_guard_module"
+
+
+def _guard_module():
+    mod = sys.modules.get(_GUARD)
+    if mod is None:
+        path = Path(__file__).resolve().parent.parent / "_rss_guard.py"
+        spec = importlib.util.spec_from_file_location(_GUARD, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[_GUARD] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def pytest_configure(config):
+    _guard_module().register(config)
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
+
+
+def release_memory() -> None:
+    """Unload every model ComfyUI holds, drop unreachable objects (executors, their output
+    caches, captured graphs), and hand freed heap back to the system."""
+    if "comfy.model_management" in sys.modules:
+        import comfy.model_management as mm
+
+        mm.unload_all_models()
+        gc.collect()
+        if hasattr(mm, "cleanup_models_gc"):
+            mm.cleanup_models_gc()
+        mm.soft_empty_cache()
+    gc.collect()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)  # glibc keeps freed arenas otherwise; RSS would only grow
+
+
+@pytest.fixture(autouse=True)
+def _release_after_each_test():
+    yield
+    release_memory()
