@@ -20,12 +20,6 @@ class WorkflowFailed(RuntimeError):
     pass
 
 
-def _HeadlessServer():  # noqa: N802 - the executor's server object
-    from .comfy_host import HeadlessServer
-
-    return HeadlessServer()
-
-
 @dataclass
 class RunResult:
     latent: torch.Tensor  # the KSampler's output latent, float32 on the CPU
@@ -45,9 +39,10 @@ class Runner:
 
     def __init__(self):
         from ..nodes import compat
+        from .comfy_host import HeadlessServer
 
         # the classic cache; ComfyUI 0.33 also takes cache_args (compat builds them)
-        self.executor = compat.prompt_executor(_HeadlessServer())
+        self.executor = compat.prompt_executor(HeadlessServer())
         self.cuda = torch.cuda.is_available() and not _comfy_cpu()
 
     def run(self, prompt: dict, ids: dict, *, profile: bool = False, on_step=None) -> RunResult:
