@@ -90,6 +90,9 @@ class GraphCache:
         self.async_allocator = backend == "cuda" and _async_allocator()
         self.captures = 0
         self.total_capture_s = 0.0
+        # Bumped whenever a graph is dropped: a caller holding an entry from an earlier lookup
+        # may keep using it while the version is unchanged (no lookup, no key hash).
+        self.version = 0
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
@@ -122,6 +125,7 @@ class GraphCache:
 
     def _drop(self, key: Hashable) -> None:
         entry = self.entries.pop(key)
+        self.version += 1
         _release(entry)
 
     # -- running -------------------------------------------------------------------------------

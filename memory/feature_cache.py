@@ -22,7 +22,8 @@ it sees) since the step that filled the store, plus the relative change of its t
 ``|x - x_ref|₁ / |x_ref|₁ + |t - t_ref| / t_ref``. The residuals are smooth functions of both,
 so their relative error grows with this sum; tests/host/test_feature_cache.py checks the
 estimate against the error actually made (rank correlation across the steps of a run). Cost:
-one reduction on the device and one host read per step (none in ``every_n`` mode).
+one reduction on the device and one host read per step. ``every_n`` reads nothing from the
+device: it needs only the step index (``decide`` takes ``x=None`` there).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class CacheConfig:
 
     mode: str = "every_n"
     # every 5th step: with two or more ControlNets ≥ 1.4× over fused + graphs at SSIM 0.997 on
-    # the H200 (docs/benchmarks.md, session 5); lower values stay closer to the uncached image
+    # the H200 (docs/benchmarks.md); lower values stay closer to the uncached image
     every_n: int = 5
     threshold: float = 0.15
     max_reuse: int = 4
@@ -245,9 +246,12 @@ class ReusePolicy:
         self.computed = 0
         self.reused = 0
 
-    def decide(self, step: int, total: int, x: torch.Tensor, t: float, key: tuple) -> Decision:
+    def decide(
+        self, step: int, total: int, x: torch.Tensor | None, t: float, key: tuple
+    ) -> Decision:
         """Reuse at ``step`` (0-based) of ``total`` steps, for input ``x`` (what the ControlNet
-        sees), timestep ``t``, and ``key`` (shapes, hint identity: any change forces compute)?"""
+        sees), timestep ``t``, and ``key`` (shapes, hint identity: any change forces compute)?
+        ``x`` and ``t`` are read by the adaptive rule only (None / 0 will do otherwise)."""
         cfg = self.cfg
         if not cfg.enabled:
             return Decision(False, None, "cache off")
@@ -266,7 +270,7 @@ class ReusePolicy:
         est = float(input_change(x, self.ref_x)) + abs(t - self.ref_t) / max(abs(self.ref_t), 1e-6)
         return Decision(est <= cfg.threshold, est, "adaptive")
 
-    def filled(self, step: int, x: torch.Tensor, t: float, key: tuple) -> None:
+    def filled(self, step: int, x: torch.Tensor | None, t: float, key: tuple) -> None:
         self.ref_step, self.ref_t, self.ref_key = step, float(t), key
         if self.cfg.mode == "adaptive":
             if self.ref_x is not None and self.ref_x.shape == x.shape:

@@ -20,13 +20,18 @@ Everything else is stock: the range check (start/end percent), hint preprocessin
 encoding, batching, ``cleanup``. Kinds we do not accelerate never become a FusedControlNet (the
 node hands them to stock Apply ControlNet).
 
-The CUDA Graph glue drives these objects too: during capture it sets ``cna_force_active`` (the
-host already decided which nets run this step) and ``cna_graph_mode`` (the hint buffer is
-refreshed before each replay, so the encoding must be computed inside the graph, not cached).
+The CUDA Graph wrapper drives these objects through ``transformer_options`` (a
+``step_control.StepControl``): which nets run this step (the host decided it once for the chain)
+and whether the call runs inside the graph's function (the hint buffer is refreshed before each
+replay, so the encoding must be computed inside the graph, not taken from the cache).
+
+State: ``fused_settings`` (what the Apply node chose; frozen, carried by ``copy``) and ``_run``
+(this sampling run's encodings and badge figures; reset by ``pre_run``/``cleanup``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -35,6 +40,7 @@ from ..errors import NodeInputError
 from ..kernels import control_merge as fused_merge
 from ..logger import logger
 from . import status
+from .step_control import step_control
 
 try:  # ComfyUI is the host; keep this module importable for tooling without it
     import comfy.controlnet as _cn
@@ -44,6 +50,7 @@ except ImportError:  # pragma: no cover - only without ComfyUI
     _cn = None
     _Base = object
 
+# Process-wide counters for tests and the benchmark (the badges read each object's run holder).
 STATS = {"hint_encodes": 0, "fused_merges": 0, "positive_only": 0}
 _stats_lock = threading.Lock()
 
@@ -78,38 +85,58 @@ class _CachedHintBlock:
         self.owner, self.block = owner, block
 
     def __call__(self, hint, emb, context):
-        o = self.owner
+        run = self.owner._run
         # No version counter here: ComfyUI samples under inference_mode, whose tensors have
         # none. ComfyUI never edits a prepared hint in place (it replaces the tensor), and
         # _hint_src keeps the keyed tensor alive so its id and address cannot be reused.
         key = (id(hint), hint.data_ptr(), tuple(hint.shape), hint.dtype, hint.device)
-        if o._hint_key == key and o._hint_enc is not None:
-            return o._hint_enc
+        if run.hint_key == key and run.hint_enc is not None:
+            return run.hint_enc
         enc = self.block(hint, emb, context)
         _count("hint_encodes")
-        o.cna_run_encodes = o.__dict__.get("cna_run_encodes", 0) + 1
-        o._hint_key, o._hint_enc, o._hint_src = key, enc, hint
+        run.encodes += 1
+        run.hint_key, run.hint_enc, run.hint_src = key, enc, hint
         return enc
 
 
-class FusedControlNet(_Base):
-    cna_force_active: bool | None = None
-    cna_graph_mode: bool = False
+@dataclasses.dataclass(frozen=True)
+class FusedSettings:
+    """What the Apply ControlNet (Fused) node chose, fixed when it makes the object."""
+
     # Run the net on the positive half of the CFG batch only and give the negative half the same
     # residuals (half the ControlNet work; changes the picture slightly). Off by default.
-    cna_positive_only: bool = False
-    cna_node_id = None  # the Apply ControlNet (Fused) node that made it: its badge
+    positive_only: bool = False
+    node_id: str | None = None  # the Apply node that made it: its badge
 
+
+class FusedRun:
+    """One sampling run of a FusedControlNet: the hint encoding it keeps, and its badge figures.
+    ``reset`` at the run's start and end; ``clone`` gives a fresh one (a copy starts clean)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.hint_key: tuple | None = None
+        self.hint_enc = None
+        self.hint_src = None  # keeps the keyed tensor alive, so its id cannot be reused
+        self.encodes = 0
+        self.in_graph = False
+        self.strengths: tuple | None = None  # (values, device) -> float32 device tensor
+
+    def clone(self) -> FusedRun:
+        return FusedRun()
+
+
+class FusedControlNet(_Base):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._hint_key = None
-        self._hint_enc = None
-        self._hint_src = None  # keeps the keyed tensor alive, so its id cannot be reused
-        self._raw = False
-        self._strength_cache: tuple | None = None
+        self.fused_settings = FusedSettings()
+        self._run = FusedRun()
+        self._raw = False  # during one get_control: control_merge hands back the raw output
 
     @classmethod
-    def from_controlnet(cls, cn) -> FusedControlNet:
+    def from_controlnet(cls, cn, settings: FusedSettings | None = None) -> FusedControlNet:
         c = cls(
             None,
             global_average_pooling=cn.global_average_pooling,
@@ -119,9 +146,9 @@ class FusedControlNet(_Base):
         c.control_model = cn.control_model
         c.control_model_wrapped = cn.control_model_wrapped
         cn.copy_to(c)
-        for attr in ("cna_positive_only", "cna_node_id", "cna_cache_node_id"):
-            if attr in cn.__dict__:
-                setattr(c, attr, cn.__dict__[attr])
+        if settings is None:
+            settings = getattr(cn, "fused_settings", None) or FusedSettings()
+        c.fused_settings = settings
         return c
 
     def copy(self) -> FusedControlNet:
@@ -135,14 +162,13 @@ class FusedControlNet(_Base):
             # step would differ from a fresh run's. Finish that run's cleanup first.
             logger.debug("%s: cleaning up after an interrupted run", NODE)
             self.cleanup()
+        self._run.reset()
         super().pre_run(model, percent_to_timestep_function)
 
     def cleanup(self):
-        self._hint_key = self._hint_enc = self._hint_src = None
-        if self.cna_node_id is not None:
+        if self.fused_settings.node_id is not None:
             self._report()
-        self.__dict__.pop("cna_run_encodes", None)
-        self.__dict__.pop("cna_ran_in_graph", None)
+        self._run.reset()
         super().cleanup()
 
     def _report(self) -> None:
@@ -158,17 +184,16 @@ class FusedControlNet(_Base):
                 kern = "kernels: CUDA"
             else:
                 kern = "kernels: PyTorch (" + status.short(cuda.get("reason") or "off", 40) + ")"
-            n = self.__dict__.get("cna_run_encodes", 0)
-            graphed = self.__dict__.get("cna_ran_in_graph", False)
+            n, graphed = self._run.encodes, self._run.in_graph
             hint = "hint: in the CUDA graph" if graphed else f"hint encoded {n}× this run"
             nets, prev = 1, self.previous_controlnet
             while isinstance(prev, FusedControlNet):
                 nets, prev = nets + 1, prev.previous_controlnet
             lines = [kern, hint, f"{nets} ControlNet(s) merged in 1 fused op"]
-            if self.cna_positive_only:
+            if self.fused_settings.positive_only:
                 lines.append("positive half of CFG only")
             data = {"kernels": kern, "hint_encodes": n, "in_graph": graphed, "nets_merged": nets}
-            status.report(self.cna_node_id, "fused_apply", lines, data)
+            status.report(self.fused_settings.node_id, "fused_apply", lines, data)
         except Exception as e:  # a badge must never fail a run
             logger.debug("Apply ControlNet (Fused): no badge: %s", e)
 
@@ -182,9 +207,9 @@ class FusedControlNet(_Base):
     def _fusable(self) -> bool:
         return not self.global_average_pooling and self.strength_type == _cn.StrengthType.CONSTANT
 
-    def _active(self, t, sigma_box: list) -> bool:
-        if self.cna_force_active is not None:
-            return bool(self.cna_force_active)
+    def _active(self, t, sigma_box: list, ctl) -> bool:
+        if ctl is not None and ctl.graph and ctl.active is not None:
+            return ctl.active.get(id(self), True)  # decided on the host for the whole chain
         rng = self.timestep_range
         if rng is None:
             return True
@@ -194,11 +219,15 @@ class FusedControlNet(_Base):
         return not (s > rng[0] or s < rng[1])
 
     def _stock_call(self, x_noisy, t, cond, batched_number, transformer_options, raw: bool):
-        """ComfyUI's own get_control for this net alone (no chain, no range check)."""
+        """ComfyUI's own get_control for this net alone (no chain, no range check).
+
+        ComfyUI's body reads its chain, range and network from the object and offers no other
+        way in, so these are swapped for the call and put back after it."""
         model = self.control_model
         saved = (self.previous_controlnet, self.timestep_range, self._raw)
         self.previous_controlnet, self.timestep_range, self._raw = None, None, raw
-        swapped = not self.cna_graph_mode
+        ctl = step_control(transformer_options)
+        swapped = ctl is None or not ctl.graph
         if swapped:
             model.__dict__["input_hint_block"] = _CachedHintBlock(self, model.input_hint_block)
         self.control_model = self._wrap_model(model, t, transformer_options)
@@ -228,8 +257,12 @@ class FusedControlNet(_Base):
         if prev is not None:
             control_prev = prev.get_control(x_noisy, t, cond, batched_number, transformer_options)
 
+        ctl = step_control(transformer_options)
+        if ctl is not None and ctl.graph:
+            for cn in group:
+                cn._run.in_graph = True  # for its badge
         sigma_box: list = []
-        active = [cn for cn in group if cn._active(t, sigma_box)]
+        active = [cn for cn in group if cn._active(t, sigma_box, ctl)]
         if not active:
             return control_prev
         half = _positive_half(active, x_noisy, t, cond, transformer_options)
@@ -266,7 +299,7 @@ def _positive_half(active, x_noisy, t, cond, topts):
     """(x, t, cond, number of chunks) of the positive chunk when every active net runs on it
     alone and the batch is one positive chunk plus negative ones of the same size; else None.
     """
-    if not all(getattr(cn, "cna_positive_only", False) for cn in active):
+    if not all(cn.fused_settings.positive_only for cn in active):
         return None
     order = list((topts or {}).get("cond_or_uncond") or [])
     n = len(order)
@@ -316,14 +349,14 @@ def _strengths(nets: list[FusedControlNet], device) -> torch.Tensor:
                 for v in vals
             ]
         )
-    owner = nets[-1]
+    run = nets[-1]._run
     key = (tuple(float(v) for v in vals), device)
-    if owner._strength_cache is None or owner._strength_cache[0] != key:
-        owner._strength_cache = (
+    if run.strengths is None or run.strengths[0] != key:
+        run.strengths = (
             key,
             torch.tensor([float(v) for v in vals], dtype=torch.float32, device=device),
         )
-    return owner._strength_cache[1]
+    return run.strengths[1]
 
 
 def _merge_group(raws: list[dict], strengths: torch.Tensor) -> dict:
@@ -503,6 +536,7 @@ def apply_fused(
             positive, negative, control_net, image, strength, start_percent, end_percent, vae=vae
         )
     hint = image.movedim(-1, 1)
+    settings = FusedSettings(positive_only=bool(positive_only), node_id=node_id)
     cnets: dict = {}
     out = []
     for conditioning in (positive, negative):
@@ -514,14 +548,12 @@ def apply_fused(
                 c_net = cnets[prev]
             else:
                 # a FusedControlNet subclass (the Feature Cache's) keeps its class and settings
-                base = (
-                    control_net.copy()
-                    if isinstance(control_net, FusedControlNet)
-                    else FusedControlNet.from_controlnet(control_net)
-                )
+                if isinstance(control_net, FusedControlNet):
+                    base = control_net.copy()
+                    base.fused_settings = settings
+                else:
+                    base = FusedControlNet.from_controlnet(control_net, settings)
                 c_net = base.set_cond_hint(hint, strength, (start_percent, end_percent), vae=vae)
-                c_net.cna_positive_only = bool(positive_only)
-                c_net.cna_node_id = node_id
                 c_net.set_previous_controlnet(prev)
                 cnets[prev] = c_net
             d["control"] = c_net

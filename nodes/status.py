@@ -16,7 +16,10 @@ import threading
 from ..logger import logger
 
 EVENT = "cna.status"
+# Cache of the latest payload per node id, for tests and headless use: keyed by node id, at most
+# LAST_KEEP nodes (the oldest report goes first).
 LAST: dict[str, dict] = {}
+LAST_KEEP = 256
 _lock = threading.Lock()
 
 
@@ -25,7 +28,10 @@ def report(node_id, kind: str, lines: list[str], data: dict | None = None) -> No
         return
     payload = {"node": str(node_id), "kind": kind, "lines": list(lines), "data": data or {}}
     with _lock:
+        LAST.pop(str(node_id), None)
         LAST[str(node_id)] = payload
+        while len(LAST) > LAST_KEEP:
+            del LAST[next(iter(LAST))]
     server = sys.modules.get("server")  # ComfyUI's server module, only when it is running
     inst = getattr(getattr(server, "PromptServer", None), "instance", None)
     if inst is None:

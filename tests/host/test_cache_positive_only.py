@@ -4,7 +4,7 @@ CUDA Graph node: both paths must make the same reuse decision at every step and 
 latent.
 
 With ``positive_only`` the ControlNet sees the positive half of the CFG batch. The eager path
-keys the cache on that half; the graph glue decides on the host (``cna_cache_plan``) and must
+keys the cache on that half; the graph wrapper decides on the host (``plan_step``) and must
 key it on the same half, or the step after the eager fill finds "nothing stored for this
 input" and computes, shifting every later reuse by one step.
 
@@ -67,12 +67,10 @@ def decisions(host, monkeypatch):
     orig = fc.CachedControlNet._step_decision
     seen: list = []
 
-    def spy(self, x_in, t, topts):
-        fresh = self._memo is None or self._memo[0] != float(t[0])
-        reuse, slot = orig(self, x_in, t, topts)
-        if fresh:
-            pos = self._step_index(float(t[0]), topts)
-            seen.append((pos[0] if pos else None, reuse))
+    def spy(self, x_in, t, topts, key=None):
+        reuse, slot = orig(self, x_in, t, topts, key)
+        if slot == 0:  # a later call of the same evaluation follows it, with slot 1, 2, ...
+            seen.append((self._crun.last_step, reuse))
         return reuse, slot
 
     monkeypatch.setattr(fc.CachedControlNet, "_step_decision", spy)

@@ -415,3 +415,72 @@ def test_join_on_use_waits_only_for_residuals_it_hands_out(host):
     assert "middle" in d and not waits  # membership alone never waits
     assert d["middle"] == ["m"] and waits == [1]
     assert d.get("missing") is None
+
+
+# What the pack's own ControlNet classes add to ComfyUI's: their settings (fixed when the Apply
+# or Cache node makes the object) and their per-run holders. Anything else left on an object
+# after a run is state that leaked onto ComfyUI's objects.
+PACK_ATTRS = {"fused_settings", "_run", "_raw", "cache_settings", "_crun"}
+
+
+def test_a_run_leaves_nothing_on_comfyuis_objects(host, tiny_models):
+    """Graph + fused + cache, two nets with a partial range (the active mask, passthrough and
+    cache decisions all in use): afterwards no ControlNet, network or model patcher carries an
+    attribute the pack set, and the graph node's run holder is back to its template state."""
+    import gc
+
+    import comfy.controlnet
+    import comfy.model_patcher
+    from comfyui_controlnet_accelerator.harness.quick import _chain, _feature_cache
+
+    cg = _cg(host)
+    cache = _feature_cache(mode="every_n", every_n=2, max_reuse=1)
+    wl = CASES["2cn-range"].with_(steps=6)
+    gc.collect()
+    before = {id(o) for o in gc.get_objects()}
+    before_t = _totals(host)
+    _run(runner.Runner(), wl, 24, _chain(cache, VARIANTS["fused+graph"]))
+    assert _delta(before_t, _totals(host))["replays"] >= 2  # the graph path really ran
+    gc.collect()
+    new = [o for o in gc.get_objects() if id(o) not in before]
+    controls = [o for o in new if isinstance(o, comfy.controlnet.ControlBase)]
+    patchers = [o for o in new if isinstance(o, comfy.model_patcher.ModelPatcher)]
+    kinds = {type(o).__name__ for o in controls}
+    assert {"CachedControlNet"} <= kinds, kinds
+    leaked = []
+    for o in controls + patchers:
+        leaked += [f"{type(o).__name__}.{k}" for k in vars(o) if k.startswith("cna")]
+    for o in controls:
+        stock = comfy.controlnet.ControlNet.copy(o)  # ComfyUI's own attributes, as it copies
+        extra = set(vars(o)) - set(vars(stock)) - PACK_ATTRS
+        leaked += [f"{type(o).__name__}.{k}" for k in sorted(extra)]
+        if "input_hint_block" in vars(o.control_model):
+            leaked.append("control_model.input_hint_block (swapped block left behind)")
+    assert not leaked, leaked
+    runs = [p.model_options.get("transformer_options", {}).get(cg.RUN_KEY) for p in patchers]
+    runs = [r for r in runs if r is not None]
+    assert runs, "the CUDA Graph node's model should carry its run template"
+    for r in runs:  # the template is never the run's own holder: nothing accumulated on it
+        assert r.calls == 0 and r.evaluations == 0 and not r.plans and r.last is None
+
+
+def test_badge_reports_host_time_and_the_plan_is_rebuilt_only_for_a_new_signature(
+    host, tiny_models
+):
+    """The node's badge data carries the run's own figures (its holder, not process totals),
+    the host time spent in the pack's wrappers per step (ComfyUI's model calls excluded), and
+    how many calls took the slow path: with one ControlNet on every step, only the call that
+    captured (step 0 runs eager while the ControlNet prepares its hint)."""
+    status = sys.modules[host.pack_module_name].nodes.status
+    wl = CASES["1cn"].with_(steps=8)
+    r = runner.Runner()
+    _run(r, wl, 26)  # load everything first
+    before = _totals(host)
+    _, p, _ = _run(r, wl, 26, GRAPH)
+    d = _delta(before, _totals(host))
+    node = next(k for k, v in p.items() if v["class_type"] == "CNA_CUDAGraph")
+    data = status.LAST[node]["data"]
+    assert (data["captures"], data["replays"], data["eager"]) == (1, 6, 1), data
+    assert (d["captures"], d["replays"], d["eager"]) == (1, 6, 1), d
+    assert data["plans_built"] == 1, data
+    assert 0 < data["host_ms_per_step"] < data["ms_per_step"], data

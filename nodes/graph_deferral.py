@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Deferring the ControlNet call to the UNet call, for the CUDA Graph wrapper.
+
+ComfyUI runs each control object's ``get_control`` in ``calc_cond_batch`` and hands the residual
+dict to ``apply_model``. The graph wrapper needs both in one function, so its CALC_COND_BATCH
+wrapper swaps each control object in the conds for a memoised ``_DeferredControl`` (cond and
+uncond still batch together: ComfyUI batches on ``control is control``) whose ``get_control``
+only records the call as a ``ControlCall``; the APPLY_MODEL wrapper receives that record with
+the UNet's inputs. ``_JoinOnUse`` is the residual dict of ControlNets that ran on a side stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _DeferredControl:
+    """Stands in for a control object inside one ``calc_cond_batch`` call."""
+
+    __slots__ = ("control",)
+
+    def __init__(self, control):
+        self.control = control
+
+    def get_control(self, x_noisy, t, cond, batched_number, transformer_options):
+        return ControlCall(self.control, x_noisy, t, cond, batched_number, transformer_options)
+
+
+def defer_controls(conds: list) -> list:
+    """``conds`` with each control object replaced by one ``_DeferredControl`` per object."""
+    proxies: dict[int, _DeferredControl] = {}
+    new_conds = []
+    for cond_list in conds:
+        if cond_list is None:
+            new_conds.append(None)
+            continue
+        out = []
+        for d in cond_list:
+            ctrl = d.get("control") if isinstance(d, dict) else None
+            if ctrl is not None:
+                p = proxies.get(id(ctrl))
+                if p is None:
+                    p = proxies[id(ctrl)] = _DeferredControl(ctrl)
+                d = dict(d)
+                d["control"] = p
+            out.append(d)
+        new_conds.append(out)
+    return new_conds
+
+
+class ControlCall:
+    """A recorded ``control.get_control(...)``; resolves to ComfyUI's residual dict on demand.
+
+    It also behaves as that dict (resolving on first use), so code that reaches the UNet without
+    our APPLY_MODEL wrapper in between still gets exactly what stock ComfyUI would give it.
+    """
+
+    def __init__(self, control, x_noisy, t, cond, batched_number, transformer_options):
+        self.control = control
+        self.args = (x_noisy, t, cond, batched_number, transformer_options)
+        self._resolved = None
+        self._done = False
+
+    def with_options(self, transformer_options: dict) -> None:
+        """Resolve (if it comes to that) with these transformer_options instead."""
+        self.args = (*self.args[:4], transformer_options)
+
+    def resolve(self):
+        if not self._done:
+            self._resolved = self.control.get_control(*self.args)
+            self._done = True
+        return self._resolved
+
+    # dict protocol, as used by openaimodel.apply_control and friends
+    def __contains__(self, k):
+        r = self.resolve()
+        return r is not None and k in r
+
+    def __getitem__(self, k):
+        return self.resolve()[k]
+
+    def get(self, k, default=None):
+        r = self.resolve()
+        return default if r is None else r.get(k, default)
+
+    def keys(self):
+        return (self.resolve() or {}).keys()
+
+    def items(self):
+        return (self.resolve() or {}).items()
+
+
+class _JoinOnUse(dict):
+    """The residual dict of ControlNets that ran on a side stream. The UNet's stream waits for
+    the side stream just before it first reads a residual (an empty list, like the ``input``
+    entry of an SD ControlNet, needs no wait), so the input blocks overlap the ControlNets."""
+
+    def __init__(self, d: dict, event):
+        super().__init__(d)
+        self._event = event
+        self._joined = False
+
+    def _join(self) -> None:
+        if not self._joined:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._joined = True
+
+    def __getitem__(self, k):
+        v = super().__getitem__(k)
+        if v:  # something the UNet will read
+            self._join()
+        return v
+
+    def get(self, k, default=None):
+        return self[k] if k in self else default
+
+    def values(self):
+        self._join()
+        return super().values()
+
+    def items(self):
+        self._join()
+        return super().items()
+
+
+def residual_tensors(control: dict) -> list[torch.Tensor]:
+    """Every tensor of a ControlNet residual dict (``{"input": [...], "middle": [...], ...}``)."""
+    out = []
+    for v in control.values():
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+class on_stream:
+    """``torch.cuda.stream(s)``, or nothing when ``s`` is None."""
+
+    def __init__(self, s):
+        self.s = s
+        self.ctx = None
+
+    def __enter__(self):
+        if self.s is not None:
+            self.ctx = torch.cuda.stream(self.s)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)

@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""State of the CUDA Graph wrapper: per model (the captured graphs, kept across runs) and per
+sampling run (``GraphRun``: counters, timing and plans of one run, EasyCache-style holder).
+
+``ModelGraphState`` lives in ``_STATES``, a cache keyed by the model object with weak keys: it
+is bounded by the models alive, each holds at most ``max_graphs`` graphs, and it goes with its
+model. ``TOTALS`` adds up every model's counters for the whole process (tests and the benchmark
+read it; the node's badge reads its ``GraphRun``).
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from collections.abc import Hashable
+
+import torch
+
+from ..graphs import GraphCache, backend_name
+from ..logger import logger
+from . import status
+
+RUN_KEY = "cna.graph_run"  # the transformer_options entry that holds the run's GraphRun
+
+# Process-wide counters (the states die with their models; these do not).
+TOTALS: dict[str, int] = {"captures": 0, "replays": 0, "eager": 0, "failed": 0, "released": 0}
+
+
+class ModelGraphState:
+    """One model's graphs and what is kept about them across sampling runs."""
+
+    def __init__(self, name: str, max_graphs: int, backend: str):
+        self.cache = GraphCache(name, max_graphs=max_graphs, backend=backend)
+        self.run_id = 0
+        self.fp_run: dict[int, tuple[int, Hashable]] = {}  # id(module) -> (run_id, fingerprint)
+        self.eager_reasons: set[str] = set()
+        self.lock = threading.Lock()
+        self.stats = {"replays": 0, "eager": 0, "captures": 0}
+        self._side = None
+
+    def side_stream(self, x: torch.Tensor):
+        """The stream the ControlNets run on beside the UNet (CUDA only; None elsewhere)."""
+        if not x.is_cuda:
+            return None
+        s = self._side
+        if s is None or s.device != x.device:
+            s = self._side = torch.cuda.Stream(device=x.device)
+        return s
+
+    def count(self, what: str, run: GraphRun | None = None) -> None:
+        self.stats[what] = self.stats.get(what, 0) + 1
+        TOTALS[what] = TOTALS.get(what, 0) + 1
+        if run is not None:
+            run.counts[what] = run.counts.get(what, 0) + 1
+
+    def note_eager(self, reason: str, run: GraphRun | None, expected: bool = False) -> None:
+        """Count an eager step; say why once per reason (debug level for the expected ones)."""
+        self.count("eager", run)
+        if run is not None:
+            run.eager_reasons.add(reason)
+        if reason not in self.eager_reasons:
+            self.eager_reasons.add(reason)
+            log = logger.debug if expected else logger.info
+            log("%s: running eager: %s", self.cache.name, reason)
+
+    def fingerprint(self, module: torch.nn.Module) -> Hashable:
+        """Addresses of the module's weights, computed once per sampling run."""
+        got = self.fp_run.get(id(module))
+        if got is not None and got[0] == self.run_id:
+            return got[1]
+        fp = hash(tuple((p.data_ptr(), p.dtype, p.device) for p in module.parameters()))
+        self.fp_run[id(module)] = (self.run_id, fp)
+        return fp
+
+    def release_all(self, reason: str) -> int:
+        n = len(self.cache.entries)
+        if n:
+            self.cache.evict(lambda e: True, reason)
+            TOTALS["released"] += n
+        return n
+
+
+_STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def state_for(base_model, max_graphs: int, device: torch.device) -> ModelGraphState:
+    with _STATES_LOCK:
+        st = _STATES.get(base_model)
+        if st is None:
+            name = f"CUDA Graph [{type(base_model).__name__}]"
+            st = ModelGraphState(name, max_graphs, backend_name(device))
+            _STATES[base_model] = st
+        st.cache.max_graphs = max_graphs
+        return st
+
+
+def existing_state(model) -> ModelGraphState | None:
+    return _STATES.get(model) if model is not None else None
+
+
+def graph_stats() -> list[dict]:
+    """What each model's graph cache holds: for logs, tests and the front end."""
+    out = []
+    for model, st in list(_STATES.items()):
+        out.append(
+            {
+                "model": type(model).__name__,
+                "backend": st.cache.backend,
+                "graphs": len(st.cache.entries),
+                "failed": dict(st.cache.failed),
+                "captures": st.cache.captures,
+                "capture_s": st.cache.total_capture_s,
+                "eager_reasons": sorted(st.eager_reasons),
+                **st.stats,
+            }
+        )
+    return out
+
+
+def release_after_oom(cache: GraphCache, reason: str) -> None:
+    """Out of memory while capturing (or allocating a graph's static buffers): drop this
+    model's other graphs too, so their memory pool goes back to the allocator, and hand the
+    cached blocks to the driver. The step and later ones run eager (the reason is kept in
+    ``cache.failed``); signatures that did capture are captured again when memory allows."""
+    n = len(cache.entries)
+    cache.evict(lambda e: True, f"out of memory during capture ({status.short(reason, 120)})")
+    TOTALS["released"] += n
+    gc.collect()
+    try:
+        import comfy.model_management as mm
+
+        mm.soft_empty_cache()
+    except Exception as e:  # without ComfyUI (tools): torch's own cache release
+        logger.debug("CUDA Graph: soft_empty_cache unavailable (%s)", e)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class GraphRun:
+    """One sampling run of one CUDA Graph node, held in ``transformer_options[RUN_KEY]``.
+
+    The node's model carries a template (``options``, ``node_id``); the OUTER_SAMPLE wrapper
+    puts a ``clone()`` in the run's model options and ``reset()``s it when the run ends, as
+    ComfyUI's EasyCache does with its holder. What a run keeps: its counters and timing (the
+    badge), the host time spent in the pack's wrappers, the sampler's progress (the step index
+    on the host), the channels-last layout swap, and the step plans (``step_plan.py``).
+    """
+
+    def __init__(self, options, node_id=None):
+        self.options = options
+        self.node_id = node_id
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
+        self.eager_reasons: set[str] = set()
+        self.timing: list | None = None  # (kind, start event, end event) per model call
+        self.layout = None  # channels-last weights of this run (channels_last.LayoutSwap)
+        self.host_s = 0.0  # seconds in the pack's wrapper bodies, ComfyUI's model excluded
+        self.model_s = 0.0  # seconds inside ComfyUI's model calls made from those bodies
+        self.calls = 0  # APPLY_MODEL calls
+        self.evaluations = 0  # CALC_COND_BATCH calls (model evaluations)
+        self.callbacks = 0  # the sampler's progress callbacks seen
+        self.next_step = 0  # the step the next evaluation belongs to (from the callbacks)
+        self.total_steps: int | None = None
+        self.plans: dict = {}  # step_plan: per model and per control object, built once a run
+        self.last = None  # step_plan: the last signature and what it resolved to
+        self.plans_built = 0  # calls whose signature differed from the last one (slow path)
+
+    def clone(self) -> GraphRun:
+        return GraphRun(self.options, self.node_id)
+
+    def step_index(self) -> int | None:
+        """The step the current evaluation belongs to, known on the host: the first evaluation
+        is step 0; after that, one more than the last step the sampler reported. None when the
+        sampler reports no progress (then the caller reads sigma)."""
+        if self.total_steps is None or (self.callbacks == 0 and self.evaluations > 1):
+            return None
+        return min(self.next_step, self.total_steps - 1)
+
+    def progress_callback(self, callback):
+        """The sampler's callback, wrapped to follow its progress (ComfyUI's samplers call it
+        once per step, after the step, with the step index first)."""
+
+        def on_step(step, *args, **kwargs):
+            self.callbacks += 1
+            self.next_step = int(step) + 1
+            if callback is not None:
+                return callback(step, *args, **kwargs)
+            return None
+
+        return on_step
+
+    def host_ms_per_step(self, steps: int) -> float:
+        return 1e3 * self.host_s / max(1, steps)
