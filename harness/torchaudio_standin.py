@@ -82,9 +82,9 @@ def needed() -> str | None:
     """Why the stand-in is needed (the import error), or None when torchaudio imports."""
     if "torchaudio" in sys.modules:
         return "the stand-in is installed" if is_standin(sys.modules["torchaudio"]) else None
-    if importlib.util.find_spec("torchaudio") is None:  # no import (and no torch import) needed
-        return "No module named 'torchaudio'"
     try:
+        if importlib.util.find_spec("torchaudio") is None:  # no import (and no torch import)
+            return "No module named 'torchaudio'"
         importlib.import_module("torchaudio")
     except Exception as e:  # missing, or a build for another torch (OSError, undefined symbol)
         for key in [k for k in sys.modules if k == "torchaudio" or k.startswith("torchaudio.")]:

@@ -67,6 +67,8 @@ def test_comfyuis_import_forms_work():
 def test_any_use_raises_a_clear_error():
     r = _run(
         """
+        import types
+
         ts.install()
         import torchaudio
         from torchaudio.transforms import MelSpectrogram
@@ -74,7 +76,7 @@ def test_any_use_raises_a_clear_error():
         for use in (
             lambda: torchaudio.functional.resample(None, 16000, 44100),
             lambda: MelSpectrogram(sample_rate=16000),
-            lambda: type("Sub", (MelSpectrogram,), {}),
+            lambda: types.new_class("Sub", (MelSpectrogram,)),  # as a `class` statement does
             lambda: torchaudio.load("x.wav"),
         ):
             try:
