@@ -74,5 +74,7 @@ def dequant_rows(
 def group_norm_silu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int = 32, eps: float = 1e-5
 ) -> torch.Tensor:
-    """SiLU(GroupNorm(x)): the ResBlock prologue of SD UNets and ControlNets."""
-    return F.silu(F.group_norm(x, groups, weight, bias, eps))
+    """SiLU(GroupNorm(x)): the ResBlock prologue of SD UNets and ControlNets. Affine parameters
+    in another dtype than x (fp32 norms on fp16 activations) are cast to x's, as CUDA's
+    GroupNorm requires."""
+    return F.silu(F.group_norm(x, groups, weight.to(x.dtype), bias.to(x.dtype), eps))

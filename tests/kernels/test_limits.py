@@ -222,14 +222,15 @@ def _check_merge_case(case, device):
     s = torch.tensor(strengths, device=device)
     out = kernels.control_merge(res, s)
     tol = 3 * TOL[dtype]  # one rounding per launch over the nets: at most three groups here
-    for k, (o, r) in enumerate(zip(out, _ref(res, s.cpu()), strict=True)):
-        assert o.shape == shapes[k] and o.dtype == dtype
+    ref = _ref([[r.cpu() for r in net] for net in res], s.cpu())
+    for k, (o, r) in enumerate(zip(out, ref, strict=True)):
+        assert o.shape == shapes[k] and o.dtype == dtype and o.device.type == device
         assert _rel(o.cpu(), r) <= tol, (k, _rel(o.cpu(), r))
     hidden = [_make(sh, dtype, transposed, gen, device) for sh in shapes]
-    before = [h.clone() for h in hidden]
+    before = [h.cpu().double() for h in hidden]
     kernels.control_merge_add_(hidden, res, s)
-    for h, b, r in zip(hidden, before, _ref(res, s.cpu()), strict=True):
-        assert _rel(h.cpu(), b.cpu().double() + r) <= tol
+    for h, b, r in zip(hidden, before, ref, strict=True):
+        assert _rel(h.cpu(), b + r) <= tol
 
 
 @settings(
@@ -253,19 +254,20 @@ def _check_quant_case(case, device):
     x = _make(shape, dtype, transposed, gen, device)
     q, scale = kernels.quantize_int8(x)
     assert q.shape == x.shape and scale.shape == shape[:2]
-    deq = q.double() * scale.double().reshape(*shape[:2], 1, 1)
-    bound = scale.double().reshape(*shape[:2], 1, 1) * 0.51 + x.double().abs() * TOL[dtype]
-    assert ((deq - x.double()).abs() <= bound + 1e-12).all()
+    deq = q.cpu().double() * scale.cpu().double().reshape(*shape[:2], 1, 1)
+    xd = x.cpu().double()
+    bound = scale.cpu().double().reshape(*shape[:2], 1, 1) * 0.51 + xd.abs() * TOL[dtype]
+    assert ((deq - xd).abs() <= bound + 1e-12).all()
     h = _make(shape, dtype, transposed, gen, device)
-    h0 = h.double().clone()
+    h0 = h.cpu().double()
     kernels.dequant_add_(h, q, scale, torch.tensor(0.5, device=device))
-    assert _rel(h.cpu(), (h0 + 0.5 * deq).cpu()) <= 2 * TOL[dtype]
+    assert _rel(h.cpu(), h0 + 0.5 * deq) <= 2 * TOL[dtype]
     w = torch.randint(-127, 128, (shape[1], shape[0] * 3), generator=gen, device=device).to(
         torch.int8
     )
     ws = torch.rand(shape[1], generator=gen, device=device)
     got = kernels.dequant_rows(w, ws, dtype)
-    assert _rel(got.cpu(), (w.double() * ws.double()[:, None]).cpu()) <= TOL[dtype]
+    assert _rel(got.cpu(), w.cpu().double() * ws.cpu().double()[:, None]) <= TOL[dtype]
 
 
 @settings(
@@ -294,13 +296,14 @@ def _check_gn_case(case, device):
     w = (torch.rand(shape[1], generator=gen, device=device) + 0.5).to(p_dtype)
     b = torch.randn(shape[1], generator=gen, device=device).to(p_dtype)
     got = kernels.group_norm_silu(x, w, b, groups)
-    ref = torch.nn.functional.silu(
-        torch.nn.functional.group_norm(x.double(), groups, w.double(), b.double(), 1e-5)
-    )
+    xc, wc, bc = x.cpu().double(), w.cpu().double(), b.cpu().double()
+    ref = torch.nn.functional.silu(torch.nn.functional.group_norm(xc, groups, wc, bc, 1e-5))
     torch_err = _rel(
         torch.nn.functional.silu(
             torch.nn.functional.group_norm(x.float(), groups, w.float(), b.float(), 1e-5)
-        ).to(x_dtype),
+        )
+        .to(x_dtype)
+        .cpu(),
         ref,
     )
     assert got.shape == x.shape
