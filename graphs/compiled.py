@@ -560,11 +560,12 @@ class CompiledModule:
         why = unavailable_reason(device, self.options.backend)
         if why is not None:
             return self._fail(key, why, target, args, kwargs, label=label)
-        try:
-            cache = enable_persistent_cache(self.options.cache_dir)
-        except Exception as e:  # an unwritable folder: compile anyway, without persistence
-            cache = None
-            self._log_once(f"cache: {_first_line(e)}", "compile cache folder unusable: %s", e)
+        cache = None
+        if self.options.backend == "inductor":  # the other backends write no cache
+            try:
+                cache = enable_persistent_cache(self.options.cache_dir)
+            except Exception as e:  # an unwritable folder: compile anyway, not persisted
+                self._log_once(f"cache: {_first_line(e)}", "compile cache folder unusable: %s", e)
         self._serial += 1
         tag = re.sub(r"\W", "_", f"cna_{self.name}_{self._serial}")
         forward = _forward_for(self._ref, tag)
