@@ -259,6 +259,9 @@ class MemoryPoolPatch:
         self._prefetch: dict = {}
         self._graph_idle = 0  # the CUDA graph pool's idle bytes at the end of the last run
         self.reserved = 0  # what the last run asked ComfyUI to keep free for the pool
+        # (patcher, its patches_uuid, the clone sampled in its place): one entry, so a prompt
+        # repeated over a later LoRA samples the same clone, which ComfyUI keeps loaded
+        self._run_clone: tuple | None = None
 
     @property
     def nodes(self) -> list[tuple]:
@@ -332,7 +335,7 @@ class MemoryPoolPatch:
     def outer_sample_wrapper(self, executor, *args, **kwargs):
         guider = executor.class_obj
         patcher = getattr(guider, "model_patcher", None)
-        run_patcher = _without_lora_patched_layers(patcher)
+        run_patcher = self._run_patcher(patcher)
         if run_patcher is not patcher:  # this run samples a clone; the node outputs stay as made
             guider.model_patcher = run_patcher
         try:
@@ -340,6 +343,16 @@ class MemoryPoolPatch:
         finally:
             if run_patcher is not patcher:
                 guider.model_patcher = patcher
+
+    def _run_patcher(self, patcher):
+        """What this run samples: ``patcher``, or (a later LoRA patches layers we replaced) its
+        clone without those replacements, the same clone for as long as ``patcher`` is."""
+        held = self._run_clone
+        if held is not None and held[0] is patcher and held[1] == patcher.patches_uuid:
+            return held[2]
+        run = _without_lora_patched_layers(patcher)
+        self._run_clone = None if run is patcher else (patcher, patcher.patches_uuid, run)
+        return run
 
     def _outer_sample(self, executor, guider, patcher, *args, **kwargs):
         try:

@@ -123,8 +123,11 @@ def test_a_later_lora_is_handled_on_a_clone_never_on_the_lora_nodes_output(host,
     guider = type("Guider", (), {"model_patcher": lora, "conds": {}})()
     seen = {}
 
+    sampled = []
+
     def during():
         p = guider.model_patcher
+        sampled.append(p)
         seen.update(clone=p is not lora, has=name in p.object_patches, n=len(p.object_patches))
 
     import comfy.patcher_extension as pe
@@ -133,6 +136,13 @@ def test_a_later_lora_is_handled_on_a_clone_never_on_the_lora_nodes_output(host,
     wrapper(_Executor(class_obj=guider, during=during))
     assert seen == {"clone": True, "has": False, "n": len(before) - 1}
     assert guider.model_patcher is lora and lora.object_patches == before
+    # the same prompt again samples the same clone (ComfyUI keeps it loaded, no re-patching)
+    wrapper(_Executor(class_obj=guider, during=during))
+    assert len(sampled) == 2 and sampled[0] is sampled[1]
+    # the pool's own output, with no later LoRA, is sampled as it is
+    guider.model_patcher = m
+    wrapper(_Executor(class_obj=guider, during=during))
+    assert sampled[-1] is m
 
 
 def test_unloading_goes_through_comfyuis_free_memory(host, tiny_models, monkeypatch):
