@@ -366,6 +366,9 @@ def _forward_for(ref: Callable[[], Callable | None], tag: str) -> Callable:
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:
+    inner = getattr(e, "inner_exception", None)  # dynamo wraps the backend's own error
+    if isinstance(inner, BaseException):
+        e = inner
     text = str(e).strip().splitlines()
     msg = text[0] if text else ""
     return f"{type(e).__name__}: {msg[:limit]}"
@@ -696,7 +699,7 @@ class CompiledModule:
                 self.failed[key] = f"verify: {result.reason}"
             self._log_once(
                 f"verify: {result.reason}",
-                "%s: compiled mode off for %s, running eager: %s",
+                "%s: compiled mode off for %s, running eager: verify: %s",
                 self.name,
                 describe(args, kwargs),
                 result.reason,
