@@ -19,7 +19,8 @@ class StepControl:
     ``graph``: the ControlNets run inside the graph's function (capture, or an emulated replay):
     a fused net's hint encoding must be computed there, not taken from its per-run cache.
     ``active``: id(net) → whether it runs at this step (the host read sigma once for the whole
-    chain); None outside the graph's function (the stock range check applies).
+    chain, and only when a net has a partial start/end range); followed inside the graph's
+    function only: an eager step keeps ComfyUI's own range check.
     ``cache``: id(net) → (reuse, slot), the Feature Cache's decision made on the host.
     ``step``/``total``: the sampler's step index and step count, known on the host from the
     sampler's own progress callback (None when the sampler gives none: then read sigma).

@@ -261,7 +261,7 @@ def plan(
         chain = cp.chain
         active = cp.active(ctl, t)
         groups = cp.groups(active)
-        dyn.append((id(call.control), active, batched_number))
+        dyn.append((active, batched_number))
         for cn, on, cached in zip(chain, active, cp.cached, strict=True):
             if not on:  # skipped this step, as stock skips it: its hint is not read
                 continue
@@ -288,7 +288,10 @@ def plan(
                 inputs.append(v)
                 dyn.append((f"cond.{k}", v.shape, v.dtype))
         ctl.active = dict(zip(map(id, chain), active, strict=True))
-    dynamic = tuple(dyn)
+    # The key names networks, not control objects (an Apply node's new copy, made for a new
+    # strength or hint, replays the graphs of the one before); the fast path also needs the
+    # same control object, whose chain (and per-run plan) it reuses.
+    dynamic = (id(call.control) if call is not None else None, tuple(dyn))
     last = run.last
     if last is not None and last.dynamic == dynamic:  # the fast path
         return Plan(
@@ -306,4 +309,4 @@ def plan(
     deps = mp.deps if cp is None else {**mp.deps, **cp.deps}
     devices = sorted({(v.device.type, v.device.index or 0) for v in inputs})
     static = (id(base_model), () if cp is None else cp.static_sig, tuple(devices), flags)
-    return Plan((static, dynamic), names, inputs, chain, active, deps, dynamic)
+    return Plan((static, dynamic[1]), names, inputs, chain, active, deps, dynamic)
