@@ -68,16 +68,59 @@ def test_a_cache_that_never_reuses_gives_the_stock_result(host, tiny_models):
     assert d["reused"] == 0 and d["computed"] == WL.steps  # one CFG batch per step
 
 
-def test_every_2_reuses_half_the_steps_and_stays_close(host, tiny_models):
+# Fidelity bounds for the lossy settings, against the uncached run on the same seed. The README
+# promises image SSIM ≥ 0.997 for the default setting (every 5th step) and docs/benchmarks.md
+# gives latent PSNR 43-46 dB with it on real-size random-weight models. On the tiny CPU models
+# (64×64 images, fp32) the two settings below measured:
+#   every 2, at most 1 reuse in a row, 8 steps (3 reused):  latent 49.7 dB, image SSIM 0.9993
+#   defaults (every 5, up to 4 in a row), 20 steps (15 reused): latent 42.7 dB, image SSIM 0.9979
+# The SSIM bound is the documented promise itself; the latent bounds sit ~3-5 dB under what was
+# measured (fp32 rounding across CPUs moves them by far less), so a change that makes the reuse
+# cost a few dB more fails them, where the old bound (50% relative latent error) accepted a
+# different picture.
+LOSSY_MIN_LATENT_DB, LOSSY_MIN_SSIM = 45.0, 0.997
+DEFAULT_MIN_LATENT_DB, DEFAULT_MIN_SSIM = 40.0, 0.997
+
+
+def _fidelity(host, stock, got) -> tuple[float, float]:
+    """(latent PSNR dB, decoded image SSIM) of a cached run against the uncached one."""
+    return runner.psnr(stock.latent, got.latent), runner.ssim(stock.image, got.image)
+
+
+def test_every_2_reuses_half_the_steps_within_the_promised_fidelity(host, tiny_models):
     r = runner.Runner()
-    stock = _run(r, WL, 6)
+    wl = WL.with_(decode=True)
+    stock = _run(r, wl, 6)
     before = dict(_fc(host).STATS)
-    got = _run(r, WL, 6, EVERY2)
+    got = _run(r, wl, 6, EVERY2)
     d = _delta(host, before)
     # steps 0..7: C R C R C R C C (first and last always computed)
     assert d == {"computed": 5, "reused": 3}
-    err = _rel(got.latent, stock.latent)
-    assert 0 < err < 0.5, err  # reuse really happened, and the picture is still the same one
+    latent_db, image_ssim = _fidelity(host, stock, got)
+    assert latent_db < 200, "no reuse made a difference: the cache did not really reuse"
+    assert latent_db >= LOSSY_MIN_LATENT_DB and image_ssim >= LOSSY_MIN_SSIM, (
+        latent_db,
+        image_ssim,
+    )
+
+
+def test_default_settings_keep_the_documented_fidelity(host, tiny_models):
+    """The node's defaults (every 5th step, up to 4 reuses in a row, INT8) over 20 steps, the
+    setting the README's SSIM ≥ 0.997 figure is for."""
+    r = runner.Runner()
+    wl = WL.with_(steps=20, decode=True)
+    stock = _run(r, wl, 25)
+    before = dict(_fc(host).STATS)
+    got = _run(r, wl, 25, _feature_cache(mode="every_n"))
+    d = _delta(host, before)
+    # steps 0..19: computed at 0, 5, 10, 15 and the last; reused in between
+    assert d == {"computed": 5, "reused": 15}, d
+    latent_db, image_ssim = _fidelity(host, stock, got)
+    assert latent_db < 200, "no reuse made a difference: the cache did not really reuse"
+    assert latent_db >= DEFAULT_MIN_LATENT_DB and image_ssim >= DEFAULT_MIN_SSIM, (
+        latent_db,
+        image_ssim,
+    )
 
 
 def test_cache_off_hands_back_the_same_controlnet(host, tiny_models, models_dir):
@@ -120,12 +163,17 @@ def test_a_changed_input_never_sees_stale_features(host, tiny_models, change):
 
 def test_memory_is_released_when_sampling_ends(host, tiny_models):
     fc = _fc(host)
+    gc.collect()
+    earlier = {id(o) for o in gc.get_objects() if type(o) is fc.CachedControlNet}
     r = runner.Runner()
     _run(r, WL, 9, EVERY2)
     gc.collect()
-    nets = [o for o in gc.get_objects() if type(o) is fc.CachedControlNet]
+    nets = [o for o in gc.get_objects() if type(o) is fc.CachedControlNet and id(o) not in earlier]
     assert nets, "the run should have made CachedControlNet objects"
-    assert sum(n.cache_bytes() for n in nets if not n.cna_graph_pinned) == 0
+    assert sum(n.cache_bytes() for n in nets) == 0  # every store went back to its pool
+    # and, no graph holding them (a fresh executor loads its own networks), the pools of this
+    # run's networks kept none of their memory
+    assert sum(n._pool().nbytes() for n in nets) == 0
 
 
 def test_works_under_the_cuda_graph_node(host, tiny_models):
@@ -196,7 +244,7 @@ def test_adaptive_estimate_tracks_the_real_error(host, tiny_models, monkeypatch)
     def spy(self, x, hint, timesteps, context, **extra):
         out = orig(self, x, hint, timesteps, context, **extra)
         flat = torch.cat([t.flatten().double() for k in out for t in out[k] if t is not None])
-        seen.append((x.detach().clone(), float(self.cna_t[0]), flat))
+        seen.append((x.detach().clone(), float(self._t[0]), flat))
         return out
 
     monkeypatch.setattr(fc._CachingModel, "__call__", spy)
@@ -229,3 +277,35 @@ def test_two_workflows_alternating_on_one_network_keep_their_graphs(host, tiny_m
         _run(r, WL, 12, whole)
         _run(r, WL, 12, half)
     assert graph_mod.TOTALS["captures"] - before["captures"] == 0
+
+
+def test_every_n_under_graphs_reads_nothing_from_the_device(host, tiny_models, monkeypatch):
+    """every_n needs only the step index, which the graph wrapper knows on the host (the
+    sampler's progress): no sigma is read from the device to decide, in any step. The adaptive
+    rule does read it, once per step, shared with the range check."""
+    fc = _fc(host)
+    sc = sys.modules[host.pack_module_name].nodes.step_control
+    reads: list = []
+    orig_sigma = sc.StepControl.sigma
+    orig_index = fc.CachedControlNet._step_index
+
+    def sigma(self, t):
+        reads.append(self.evaluation)
+        return orig_sigma(self, t)
+
+    def step_index(self, s, topts):
+        reads.append(("by sigma", s))
+        return orig_index(self, s, topts)
+
+    monkeypatch.setattr(sc.StepControl, "sigma", sigma)
+    monkeypatch.setattr(fc.CachedControlNet, "_step_index", step_index)
+    r = runner.Runner()
+    before = dict(_fc(host).STATS)
+    _run(r, WL, 13, _chain(EVERY2, VARIANTS["cuda_graph"]))
+    assert _delta(host, before) == {"computed": 5, "reused": 3}
+    assert reads == []
+    _run(r, WL, 13, _chain(NEVER, VARIANTS["cuda_graph"]))
+    assert len(reads) == WL.steps and len(set(reads)) == WL.steps, reads
+    reads.clear()
+    _run(r, WL, 13, EVERY2)  # without the graph node: the step comes from sigma
+    assert len(reads) == WL.steps, reads
