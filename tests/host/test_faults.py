@@ -113,6 +113,22 @@ def _run(r, wl, seed, extra=None, **kw):
     return r.run(p, ids, **kw)
 
 
+def _fresh(wl, seed, extra=None, **kw):
+    """A run in a new executor, as a fresh process gives it. The executor (a reference cycle
+    holding every model its prompt loaded) is collected right away, so reference runs do not
+    pile up in memory until Python's next full collection."""
+    return _collected(_run(runner.Runner(), wl, seed, extra, **kw))
+
+
+def _fresh_prompt(p, ids):
+    return _collected(runner.Runner().run(p, ids))
+
+
+def _collected(result):
+    gc.collect()
+    return result
+
+
 def _same(host, a, b):
     if host.cpu:
         assert torch.equal(a.latent, b.latent), runner.psnr(a.latent, b.latent)
@@ -364,7 +380,7 @@ def test_broken_controlnet_file_stops_at_the_stock_loader(host, tiny_models, kin
             VARIANTS["fused"](p, ids)
 
         with pytest.raises(runner.WorkflowFailed) as e:
-            _run(runner.Runner(), T1, 3, use_broken)
+            _fresh(T1, 3, use_broken)
         _, ids = wf.build_prompt(T1, 3, ["x"], None)
         assert f"node {ids['cn_0']} (ControlNetLoader) failed" in str(e.value)
         assert want in str(e.value)
@@ -489,7 +505,7 @@ def test_out_of_memory_in_the_feature_cache_runs_uncached(
     extra_g = [GRAPH] if graph else []
     r = runner.Runner()
     stock = _run(r, wl, 6)
-    uncached = _run(runner.Runner(), wl, 6, _chain(NEVER, *extra_g))
+    uncached = _fresh(wl, 6, _chain(NEVER, *extra_g))
 
     def put(self, out):
         raise OOM("CUDA out of memory. Tried to allocate 64.00 MiB (injected)")
@@ -517,7 +533,7 @@ def test_out_of_memory_in_the_feature_cache_runs_uncached(
     # loaders' and applies' outputs), and the cache is back on
     again = _run(r, wl, 16, _chain(EVERY2, *extra_g))
     assert fc.STATS["reused"] > before["reused"]
-    want = _run(runner.Runner(), wl, 16, _chain(EVERY2, *extra_g))
+    want = _fresh(wl, 16, _chain(EVERY2, *extra_g))
     assert torch.equal(again.latent, want.latent) or not host.cpu
 
 
@@ -528,7 +544,7 @@ def test_out_of_memory_while_compressing_keeps_weights_as_loaded(
     result exactly), the copies made so far are dropped, the reason is logged and on the badge."""
     pack = _pack(host)
     mp, wc = pack.nodes.memory_pool, pack.memory.weight_compress
-    stock = _run(runner.Runner(), T1, 7)
+    stock = _fresh(T1, 7)
     calls = {"n": 0}
     orig = wc.compress
 
@@ -543,7 +559,7 @@ def test_out_of_memory_while_compressing_keeps_weights_as_loaded(
     n_cached = len(mp._COMPRESSED)
     with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
         p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
-        got = runner.Runner().run(p, ids)
+        got = _fresh_prompt(p, ids)
     assert torch.equal(got.latent, stock.latent)
     assert calls["n"] >= 3
     gc.collect()
@@ -564,7 +580,7 @@ def test_out_of_memory_for_one_layer_on_the_gpu_quantizes_it_on_the_cpu(
     mp, wc = pack.nodes.memory_pool, pack.memory.weight_compress
     p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
     mp._COMPRESSED.clear()
-    ref = runner.Runner().run(p, ids)
+    ref = _fresh_prompt(p, ids)
     calls = {"n": 0}
     orig = wc.compress
 
@@ -577,7 +593,7 @@ def test_out_of_memory_for_one_layer_on_the_gpu_quantizes_it_on_the_cpu(
     monkeypatch.setattr(wc, "compress", compress)
     mp._COMPRESSED.clear()  # compress again, now with the fault
     p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
-    got = runner.Runner().run(p, ids)
+    got = _fresh_prompt(p, ids)
     assert calls["n"] > 3  # the fault hit one layer, the rest went on
     assert torch.equal(got.latent, ref.latent)
     badge = pack.nodes.status.LAST[_node_of(p, "CNA_ControlNetMemoryPool")]["data"]
@@ -607,8 +623,8 @@ def test_interrupt_mid_sampling_then_the_next_run_is_clean(host, tiny_models, va
     applies' outputs, so the same ControlNet objects) gives what a fresh process gives, and a
     stock run afterwards gives the stock result."""
     wl = T2.with_(steps=8)
-    want = _run(runner.Runner(), wl, 8, VARIANTS[variant])
-    want_stock = _run(runner.Runner(), wl, 8)
+    want = _fresh(wl, 8, VARIANTS[variant])
+    want_stock = _fresh(wl, 8)
     r = runner.Runner()
     seen: list = []
     with pytest.raises(runner.WorkflowFailed, match="interrupted"):
@@ -634,7 +650,7 @@ def test_models_unloaded_between_runs_of_every_node(host, tiny_models, variant):
     assert cg.TOTALS["released"] > released
     # another seed, or ComfyUI would answer from its output cache without sampling
     got = _run(r, T2, 19, VARIANTS[variant])
-    _same(host, _run(runner.Runner(), T2, 19, VARIANTS[variant]), got)
+    _same(host, _fresh(T2, 19, VARIANTS[variant]), got)
 
 
 def test_two_workflows_alternating_give_their_own_results(host, tiny_models):
@@ -643,7 +659,7 @@ def test_two_workflows_alternating_give_their_own_results(host, tiny_models):
     alone in a fresh process."""
     a = (T1, VARIANTS["cache_every2+graph"])
     b = (T2, VARIANTS["stack_all"])
-    want = {k: _run(runner.Runner(), wl, 10, v) for k, (wl, v) in (("a", a), ("b", b))}
+    want = {k: _fresh(wl, 10, v) for k, (wl, v) in (("a", a), ("b", b))}
     r = runner.Runner()
     for _ in range(2):
         for k, (wl, v) in (("a", a), ("b", b)):
