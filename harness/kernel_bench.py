@@ -9,7 +9,7 @@ Two times per case, both medians over ``reps`` repeats:
   the cost outside graphs, where host launch overhead counts too.
 Bandwidth is the op's minimum traffic (each input read once, each output written once) over the
 GPU time, as a fraction of the device copy rate measured in the same run (a 1 GiB
-``copy_``; shared/BENCHMARKS.md gives about 4.25 TB/s for the H200).
+``copy_``; docs/benchmarks.md: about 4.2 TB/s on the H200).
 Each case is also checked against the PyTorch path (relative L2 error) before it is timed.
 
     python benchmark.py --kernels --out DIR

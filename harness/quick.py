@@ -6,7 +6,7 @@ encodes the prompts); run each variant once cold (first-run overhead: JIT build,
 cache warm-up); then ``rounds`` rounds in which every variant runs on the same seed, one after
 the other, so host drift hits all variants alike; then one 20-step and one 10-step profiled run
 per variant on a GPU (their difference / 10 is the GPU-busy time and kernel launches per step).
-Prints a table, writes JSON and Markdown beside it. See shared/BENCHMARKS.md for the method.
+Prints a table, writes JSON and Markdown beside it. docs/benchmarks.md describes the method.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ VARIANTS["cuda_graph_cl"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, channels_last=True
 )
 # ControlNets on a second stream inside the graph, beside the UNet's input blocks: the node's
-# default since 2026-11-30 (so "cuda_graph"/"fused+graph" have it too); "_serial" turns it off.
+# default (so "cuda_graph"/"fused+graph" have it too); "_serial" turns it off.
 VARIANTS["fused+graph_serial"] = _chain(
     _fused_apply,
     _insert_model_node(

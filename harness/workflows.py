@@ -19,7 +19,7 @@ NEGATIVE = "blurry, low quality"
 
 @dataclass(frozen=True)
 class Workload:
-    """One reference workload (see shared/BENCHMARKS.md): model, size, ControlNets, sampler."""
+    """One reference workload (docs/benchmarks.md, Workloads): model, size, ControlNets, sampler."""
 
     id: str
     checkpoint: str  # a harness.random_models spec name

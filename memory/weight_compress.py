@@ -39,7 +39,7 @@ MIN_NUMEL = 4096
 
 # INT8 layers cost one expansion kernel per call whatever their size: about 1.7 µs inside a
 # CUDA graph on the H200, about what expanding 1.3 M weights at full speed takes (kernel
-# microbenchmark, 2026-11-30). Below SMALL_NUMEL weights (0.5 MiB saved) that fixed cost
+# microbenchmark). Below SMALL_NUMEL weights (0.5 MiB saved) that fixed cost
 # dominates, and an SDXL UNet has 298 such layers holding 4% of its weights: the smallest layers
 # stay as loaded, as many as hold at most SMALL_SHARE of the compressible weights (so the
 # memory given up is bounded whatever the model). CNA_POOL_SMALL_SHARE overrides the share
@@ -67,7 +67,7 @@ def small_layers_kept(sizes: dict[str, int], share: float | None = None) -> set[
 
 
 # Rows quantized at once: the fp32 temporaries of one chunk stay small (a few MiB) where those
-# of the largest SD1.5 layer, quantized whole, were 225 MiB on the GPU (H200 trace, 2026-11-30).
+# of the largest SD1.5 layer, quantized whole, were 225 MiB on the GPU (H200 trace).
 CHUNK_ELEMENTS = 1 << 20
 
 
@@ -158,7 +158,7 @@ class _Int8Weight(_Replaced):
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
         # Expanded in place, on the layer's stream. Expanding one layer ahead on a side stream
         # (memory/prefetch.py) was measured slower under CUDA graphs on the H200: W2 22.16 ->
-        # 25.19 ms/step (2026-11-30), the ~850 cross-stream dependencies of a step cost more
+        # 25.19 ms/step, the ~850 cross-stream dependencies of a step cost more
         # than the copies they hid.
         return dequantize(self.q, self.scale, x.dtype, x.device)
 

@@ -110,7 +110,7 @@ def _compressed_module(patcher, name: str, module, made: list, mode: str) -> tor
 def _on_compute_device(patcher, w: torch.Tensor) -> torch.Tensor:
     """``w`` on the model's GPU, where quantizing it takes milliseconds: an unloaded
     ControlNet's weights sit on the CPU, where the same fp32 arithmetic took 8-12 s per SD1.5
-    ControlNet (the H200 soak, 2026-11-30). One layer at a time, so the GPU holds one layer's
+    ControlNet (the H200 soak). One layer at a time, so the GPU holds one layer's
     fp32 copy at most (if even that does not fit, the caller quantizes on the CPU); the int8
     result goes back to the offload device like the original."""
     dev = getattr(patcher, "load_device", None)
