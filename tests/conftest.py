@@ -51,6 +51,18 @@ except comfy_host.ComfyUINotFound as e:
 COMFY_VERSION = comfy_host.comfyui_version(COMFY_ROOT) if COMFY_ROOT is not None else None
 
 
+def pytest_configure(config):
+    """The run's memory guard (``tests/_rss_guard.py``) for every run, not only host tests."""
+    name = "cna_rss_guard_module"
+    mod = sys.modules.get(name)
+    if mod is None:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "tests" / "_rss_guard.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    mod.register(config)
+
+
 def pytest_report_header(config):
     if COMFY_ROOT is None:
         return f"ComfyUI: NOT FOUND, host tests will be skipped ({COMFY_MISSING})"
