@@ -439,7 +439,8 @@ def test_a_run_leaves_nothing_on_comfyuis_objects(host, tiny_models):
     gc.collect()
     before = {id(o) for o in gc.get_objects()}
     before_t = _totals(host)
-    _run(runner.Runner(), wl, 24, _chain(cache, VARIANTS["fused+graph"]))
+    r = runner.Runner()  # kept: its node cache holds the run's objects
+    _run(r, wl, 24, _chain(cache, VARIANTS["fused+graph"]))
     assert _delta(before_t, _totals(host))["replays"] >= 2  # the graph path really ran
     gc.collect()
     new = [o for o in gc.get_objects() if id(o) not in before]
@@ -457,10 +458,14 @@ def test_a_run_leaves_nothing_on_comfyuis_objects(host, tiny_models):
         if "input_hint_block" in vars(o.control_model):
             leaked.append("control_model.input_hint_block (swapped block left behind)")
     assert not leaked, leaked
-    runs = [p.model_options.get("transformer_options", {}).get(cg.RUN_KEY) for p in patchers]
-    runs = [r for r in runs if r is not None]
-    assert runs, "the CUDA Graph node's model should carry its run template"
-    for r in runs:  # the template is never the run's own holder: nothing accumulated on it
+    patches = [
+        fn.__self__
+        for p in patchers
+        for fn in p.wrappers.get("outer_sample", {}).get(cg.WRAPPER_KEY, [])
+    ]
+    assert patches, "the CUDA Graph node's model should carry its wrappers"
+    for patch in patches:  # the run's holder was a clone: nothing accumulated on the template
+        r = patch.template
         assert r.calls == 0 and r.evaluations == 0 and not r.plans and r.last is None
 
 

@@ -136,9 +136,10 @@ def test_fused_object_survives_copy_and_cleanup(host, tiny_models):
     c = f.copy()
     assert type(c) is fa.FusedControlNet and c.strength == 0.8
     assert c.control_model is cn.control_model
-    c._hint_enc = torch.zeros(1)
+    assert c.fused_settings == f.fused_settings and c._run is not f._run  # a fresh run holder
+    c._run.hint_enc, c._run.encodes = torch.zeros(1), 2
     c.cleanup()
-    assert c._hint_enc is None and c.cond_hint is None
+    assert c._run.hint_enc is None and c._run.encodes == 0 and c.cond_hint is None
 
 
 @pytest.mark.parametrize(
