@@ -7,6 +7,24 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+
+// CNA_CHECK(cond, "printf format", args...): a TORCH_CHECK whose message is formatted here into
+// one C string. TORCH_CHECK with several message arguments builds a std::string in this
+// translation unit and hands it to libc10; in this extension that hand-over crashed the process
+// (segmentation fault) instead of raising, while a single C-string message raises a Python
+// RuntimeError as it should. So every check here passes exactly one const char*.
+#define CNA_CHECK(cond, ...)                                      \
+  do {                                                            \
+    if (!(cond)) {                                                \
+      char cna_check_msg_[320];                                   \
+      std::snprintf(cna_check_msg_, sizeof(cna_check_msg_), __VA_ARGS__); \
+      TORCH_CHECK(false, static_cast<const char*>(cna_check_msg_)); \
+    }                                                             \
+  } while (0)
+
 namespace cna {
 
 // Multiprocessors of the current device (sizes grids). Read through the runtime, not ATen's

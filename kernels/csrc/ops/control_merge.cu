@@ -88,13 +88,14 @@ __global__ void __launch_bounds__(kThreads)
 static void launch(const std::vector<torch::Tensor>& residuals, const torch::Tensor& strengths,
                    const std::vector<torch::Tensor>& outs, int64_t num_nets, bool accumulate) {
   const int64_t slots = static_cast<int64_t>(outs.size());
-  TORCH_CHECK(num_nets >= 1 && num_nets <= kMaxNets, "control_merge: num_nets must be 1..",
-              kMaxNets, ", got ", num_nets);
-  TORCH_CHECK(slots >= 1 && slots <= kMaxSlots, "control_merge: slots must be 1..", kMaxSlots,
-              ", got ", slots);
-  TORCH_CHECK(static_cast<int64_t>(residuals.size()) == num_nets * slots,
-              "control_merge: residuals must hold num_nets * slots tensors (net-major), got ",
-              residuals.size(), " for ", num_nets, " x ", slots);
+  CNA_CHECK(num_nets >= 1 && num_nets <= kMaxNets, "control_merge: num_nets must be 1..%d, got %lld",
+            kMaxNets, static_cast<long long>(num_nets));
+  CNA_CHECK(slots >= 1 && slots <= kMaxSlots, "control_merge: slots must be 1..%d, got %lld",
+            kMaxSlots, static_cast<long long>(slots));
+  CNA_CHECK(static_cast<int64_t>(residuals.size()) == num_nets * slots,
+            "control_merge: residuals must hold num_nets * slots tensors (net-major), got %zu "
+            "for %lld x %lld",
+            residuals.size(), static_cast<long long>(num_nets), static_cast<long long>(slots));
   TORCH_CHECK(strengths.is_cuda() && strengths.scalar_type() == at::kFloat &&
                   strengths.numel() >= num_nets && strengths.is_contiguous(),
               "control_merge: strengths must be a contiguous float32 CUDA tensor of >= num_nets");
@@ -106,18 +107,21 @@ static void launch(const std::vector<torch::Tensor>& residuals, const torch::Ten
   int64_t max_n = 0;
   for (int64_t k = 0; k < slots; ++k) {
     const auto& o = outs[k];
-    TORCH_CHECK(o.is_cuda() && o.device() == device, "control_merge: out[", k,
-                "] must be on ", device);
-    TORCH_CHECK(o.scalar_type() == dtype, "control_merge: out[", k, "] dtype differs");
-    TORCH_CHECK(o.is_contiguous(), "control_merge: out[", k, "] must be contiguous");
+    CNA_CHECK(o.is_cuda() && o.device() == device, "control_merge: out[%lld] is on another device",
+              static_cast<long long>(k));
+    CNA_CHECK(o.scalar_type() == dtype, "control_merge: out[%lld] dtype differs",
+              static_cast<long long>(k));
+    CNA_CHECK(o.is_contiguous(), "control_merge: out[%lld] must be contiguous",
+              static_cast<long long>(k));
     bool vec = (reinterpret_cast<uintptr_t>(o.data_ptr()) % 16 == 0) &&
                ((o.numel() * o.element_size()) % 16 == 0);
     for (int64_t i = 0; i < num_nets; ++i) {
       const auto& r = residuals[i * slots + k];
-      TORCH_CHECK(r.is_cuda() && r.device() == device && r.scalar_type() == dtype &&
-                      r.is_contiguous() && r.sizes() == o.sizes(),
-                  "control_merge: residual[net ", i, "][slot ", k,
-                  "] must be a contiguous CUDA tensor of the output's dtype and shape");
+      CNA_CHECK(r.is_cuda() && r.device() == device && r.scalar_type() == dtype &&
+                    r.is_contiguous() && r.sizes() == o.sizes(),
+                "control_merge: residual[net %lld][slot %lld] must be a contiguous CUDA tensor "
+                "of the output's dtype and shape",
+                static_cast<long long>(i), static_cast<long long>(k));
       a.res[i][k] = r.data_ptr();
       vec = vec && (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0);
     }
@@ -146,7 +150,8 @@ static void launch(const std::vector<torch::Tensor>& residuals, const torch::Ten
       control_merge_kernel<float><<<grid, kThreads, 0, stream>>>(a, sp);
       break;
     default:
-      TORCH_CHECK(false, "control_merge: dtype must be float16, bfloat16 or float32, got ", dtype);
+      CNA_CHECK(false, "control_merge: dtype must be float16, bfloat16 or float32, got %s",
+                c10::toString(dtype));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

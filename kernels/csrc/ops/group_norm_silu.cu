@@ -161,8 +161,8 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weigh
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() >= 2,
               "group_norm_silu: x must be a contiguous CUDA tensor (B, C, ...)");
   const int64_t B = x.size(0), C = x.size(1);
-  TORCH_CHECK(groups > 0 && C % groups == 0, "group_norm_silu: C=", C,
-              " is not divisible by groups=", groups);
+  CNA_CHECK(groups > 0 && C % groups == 0, "group_norm_silu: C=%lld is not divisible by groups=%lld",
+            static_cast<long long>(C), static_cast<long long>(groups));
   TORCH_CHECK(weight.is_cuda() && bias.is_cuda() && weight.numel() == C && bias.numel() == C &&
                   weight.scalar_type() == x.scalar_type() &&
                   bias.scalar_type() == x.scalar_type() && weight.is_contiguous() &&

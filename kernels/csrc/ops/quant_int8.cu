@@ -110,7 +110,8 @@ __global__ void dequant_add_kernel(T* __restrict__ h, const int8_t* __restrict__
 
 std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x) {
   TORCH_CHECK(x.is_cuda(), "quantize_int8: x must be a CUDA tensor");
-  TORCH_CHECK(x.dim() >= 2, "quantize_int8: x must be (B, C, ...), got ", x.sizes());
+  CNA_CHECK(x.dim() >= 2, "quantize_int8: x must be (B, C, ...), got %lld dims",
+            static_cast<long long>(x.dim()));
   TORCH_CHECK(x.is_contiguous(), "quantize_int8: x must be contiguous");
   const c10::cuda::CUDAGuard guard(x.device());
   auto q = torch::empty(x.sizes(), x.options().dtype(torch::kInt8));
@@ -142,8 +143,8 @@ std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x) {
       CNA_Q_LAUNCH(float);
       break;
     default:
-      TORCH_CHECK(false, "quantize_int8: dtype must be float16, bfloat16 or float32, got ",
-                  x.scalar_type());
+      CNA_CHECK(false, "quantize_int8: dtype must be float16, bfloat16 or float32, got %s",
+                c10::toString(x.scalar_type()));
   }
 #undef CNA_Q_LAUNCH
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -211,7 +212,7 @@ void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::T
 // (K = the rest of the weight). Memory-bound: 3 bytes per weight.
 // Vector path (K % 16 == 0 and 16-byte aligned pointers: every large SD layer but conv_in): each
 // thread loads U 16-byte vectors of int8 first, then converts and stores them (16-byte stores),
-// and the grid covers the weight in one pass. Session 5's version (one vector per step of a
+// and the grid covers the weight in one pass. The previous version (one vector per step of a
 // grid-stride loop over at most 8 blocks per SM, a 64-bit division per vector) ran at 61% of
 // the copy rate on the H200: one load in flight per thread and an uneven last round.
 template <typename T, int U>
