@@ -370,3 +370,44 @@ def test_cuda_fuzz_group_norm(case):
     with _real_cuda():
         _check_gn_case(case, "cuda")
     torch.cuda.synchronize()
+
+
+_RAW_CALL = """
+import importlib.util, sys
+import torch
+spec = importlib.util.spec_from_file_location(
+    "cna_raw", {init!r}, submodule_search_locations=[{root!r}])
+m = importlib.util.module_from_spec(spec); sys.modules["cna_raw"] = m; spec.loader.exec_module(m)
+from cna_raw.kernels import _jit
+mod = _jit.ensure_loaded()
+case = sys.argv[1]
+try:
+    if case == "group_norm_groups":
+        x = torch.randn(1, 30, 4, 4, device="cuda")
+        w, b = torch.ones(30, device="cuda"), torch.zeros(30, device="cuda")
+        mod.group_norm_silu(x, w, b, 32, 1e-5)
+    else:
+        res = [torch.randn(2, 8, device="cuda") for _ in range(5)]
+        mod.control_merge(res, torch.ones(5, device="cuda"), 5)
+    print("RETURNED")
+except RuntimeError as e:
+    print("RAISED", str(e).splitlines()[0])
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["group_norm_groups", "merge_too_many_nets"])
+def test_a_failed_check_in_the_cuda_code_raises_instead_of_crashing(case):
+    """The extension's own checks (behind the Python ones) must raise, not end the process."""
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available() or _jit.ensure_loaded() is None:
+        pytest.skip("CUDA extension not loaded: " + str(kernels.list_backends()))
+    root = Path(_jit.__file__).resolve().parents[1]
+    code = _RAW_CALL.format(init=str(root / "__init__.py"), root=str(root))
+    p = subprocess.run(
+        [sys.executable, "-c", code, case], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, f"process ended with {p.returncode}: {p.stderr[-2000:]}"
+    assert "RAISED" in p.stdout, p.stdout
