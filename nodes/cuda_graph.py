@@ -176,15 +176,18 @@ class CudaGraphPatch:
             logger.debug("CUDA Graph: no badge for this run: %s", e)
 
     # CALC_COND_BATCH: defer control calls to APPLY_MODEL
-    def calc_cond_batch_wrapper(self, executor, model, conds, x_in, timestep, model_options):
+    def calc_cond_batch_wrapper(
+        self, executor, model, conds, x_in, timestep, model_options, *args, **kwargs
+    ):
+        # arguments a newer ComfyUI adds after these five pass through untouched
         if not self.options.enabled:
-            return executor(model, conds, x_in, timestep, model_options)
+            return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
         t0 = time.perf_counter()
         run = self._run_of(model_options.get("transformer_options"))
         run.evaluations += 1
         new_conds = defer_controls(conds)
         run.host_s += time.perf_counter() - t0
-        return executor(model, new_conds, x_in, timestep, model_options)
+        return executor(model, new_conds, x_in, timestep, model_options, *args, **kwargs)
 
     # APPLY_MODEL: ControlNet(s) + UNet, captured or eager
     def apply_model_wrapper(
