@@ -6,6 +6,7 @@ building into one empty cache at the same moment must both end with a working ex
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -34,9 +35,13 @@ CHILD = textwrap.dedent(f"""
 
 @pytest.mark.slow
 def test_two_processes_build_the_extension_at_once(tmp_path):
+    """Both children build into a temporary cache, one compiler job each (MAX_JOBS=1: each
+    nvcc front end holds ~3 GB, and the suite must fit a 24 GB CI machine), each in its own
+    process group, which is killed when the test ends, passes or fails, so no compiler
+    outlives it."""
     if _jit.cuda_home() is None:
         pytest.skip("no CUDA compiler (nvcc) on this machine")
-    env = dict(os.environ, CNA_KERNELS_CACHE=str(tmp_path / "kcache"))
+    env = dict(os.environ, CNA_KERNELS_CACHE=str(tmp_path / "kcache"), MAX_JOBS="1")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD],
@@ -44,10 +49,19 @@ def test_two_processes_build_the_extension_at_once(tmp_path):
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            start_new_session=True,
         )
         for _ in range(2)
     ]
-    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=2400)[0] for p in procs]
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
         assert "BUILT cna_kernels_" in out
