@@ -4,7 +4,7 @@
 The suite must fit the CI machine (2 cores, 24 GB). The bound is ``$CNA_TEST_MAX_RSS_GB``
 (default 8; 0 turns the guard off) and applies to
 
-- the pytest process's peak resident set (``getrusage`` ``ru_maxrss``, exact), and
+- the pytest process's peak resident set (``VmHWM``, else ``ru_maxrss``; exact), and
 - the pytest process together with every process it started that is alive at the same time
   (compiler runs, ComfyUI servers), sampled from ``/proc`` once a second: ``getrusage`` for
   children gives only the largest single child, not the sum of those running at once.
@@ -39,7 +39,17 @@ def bound_bytes() -> int | None:
 
 
 def self_peak_bytes() -> int:
-    """This process's peak resident set so far (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    """This process's peak resident set so far: ``VmHWM`` on Linux, else ``ru_maxrss``.
+
+    Linux keeps ``ru_maxrss`` across exec, so a pytest started by a large process (a test that
+    runs pytest in a child) would report its parent's size; ``VmHWM`` belongs to the process's
+    own address space and starts afresh at exec."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
