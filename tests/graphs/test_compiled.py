@@ -87,7 +87,7 @@ class TinyUNet(nn.Module):
         self.conv_out = nn.Conv2d(ch, 4, 3, padding=1)
 
     def forward(self, x, timesteps, context, control, strength):
-        emb = self.time(timestep_embedding(timesteps, self.ch))
+        emb = self.time(timestep_embedding(timesteps, self.ch).to(x.dtype))
         h0 = self.down(self.conv_in(x), emb, context) + strength * control[0]
         h1 = self.mid(self.pool(h0), emb, context) + strength * control[1]
         h = F.interpolate(h1, scale_factor=2.0, mode="nearest")
@@ -110,7 +110,7 @@ class TinyControlNet(nn.Module):
         self.zero1 = nn.Conv2d(ch, ch, 1)
 
     def forward(self, x, hint, timesteps, context):
-        emb = self.time(timestep_embedding(timesteps, self.ch))
+        emb = self.time(timestep_embedding(timesteps, self.ch).to(x.dtype))
         h = self.block(self.conv_in(x) + self.hint(hint), emb, context)
         return [self.zero0(h), self.zero1(self.pool(h))]
 
