@@ -390,8 +390,8 @@ def _first_launch(graph, out) -> None:
     Freeing it before then, which is what dropping a graph that was captured but never replayed
     does (the LRU evicting a signature that ran one step only, such as the last steps after a
     ControlNet's end_percent), makes cudaFreeAsync fail with "invalid argument" inside a tensor
-    destructor, and the C++ exception there aborts the whole process (the soak on the H200,
-    2026-11-30: both ComfyUI servers died, SIGABRT). Launched once here, while its inputs are
+    destructor, and the C++ exception there aborts the whole process (a soak run on
+    the H200: both ComfyUI servers died, SIGABRT). Launched once here, while its inputs are
     still the ones the warm-up ran on, the graph repeats the warm-up's writes with the same
     values, and its output is an ordinary live allocation from then on.
     """
@@ -414,7 +414,7 @@ def _clear_cublas_workspaces() -> None:
     may free it later: torch.compile's CUDA graphs (TorchCompileModel, backend "cudagraphs")
     clear all cuBLAS workspaces around each recording, after which ComfyUI's empty_cache hands
     the memory back or reuses it. Our next replay then read unmapped memory ("unspecified launch
-    failure" on the H200, 2026-11-30, native allocator: fused+graph after a TorchCompileModel
+    failure" on the H200, native allocator: fused+graph after a TorchCompileModel
     run). Cleared here, the workspace is allocated inside the capture, from our graph pool,
     which stays mapped while any of our graphs lives. PyTorch's own graph trees do the same.
     Native allocator only: under cudaMallocAsync a buffer allocated inside a capture belongs to

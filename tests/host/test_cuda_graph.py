@@ -371,7 +371,7 @@ def test_controlnets_on_a_second_stream_match_stock(host, tiny_models, case):
 def test_side_stream_residuals_live_until_the_unet_has_read_them(host, tiny_models, monkeypatch):
     """Residuals made on the ControlNets' stream are freed on that stream, so they must not be
     freed as the UNet pops them (that free would not be ordered after the UNet's reads: in a
-    graph captured under cudaMallocAsync, session 6's illegal memory access). Each one the UNet
+    graph captured under cudaMallocAsync, an illegal memory access at the replay). Each one the UNet
     pops stays alive until its last block, and is gone once the step function has returned."""
     if host.cpu:
         pytest.skip("GPU only: on the CPU there is no second stream (concurrent_controlnet)")
