@@ -19,6 +19,16 @@ ROOT = Path(__file__).resolve().parents[2]
 FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 
 
+def _linked_outputs(ui: dict) -> dict:
+    """The graph with each node's unlinked output slots left out: newer ComfyUI releases add
+    outputs to stock nodes (0.33's SaveImage returns its images), which the shipped files,
+    written against the oldest supported release, do not list. Linked slots keep their place."""
+    out = json.loads(json.dumps(ui))
+    for node in out["nodes"]:
+        node["outputs"] = [o for o in node.get("outputs", []) if o.get("links")]
+    return out
+
+
 def test_there_are_examples():
     assert {p.stem for p in FILES} == set(examples.EXAMPLES)
 
@@ -37,13 +47,14 @@ def test_example_is_a_consistent_ui_graph(host, path):
     again = ui_workflow.api_to_ui(
         api, {str(n["id"]): n["title"] for n in ui["nodes"] if "title" in n}
     )
-    assert again == ui
+    assert _linked_outputs(again) == _linked_outputs(ui)
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.stem)
 def test_example_matches_its_generator(host, path):
     prompt, titles = examples.EXAMPLES[path.stem]()
-    assert json.loads(path.read_text()) == ui_workflow.api_to_ui(prompt, titles), (
+    generated = _linked_outputs(ui_workflow.api_to_ui(prompt, titles))
+    assert _linked_outputs(json.loads(path.read_text())) == generated, (
         "example_workflows/ is stale: run python tools/make_examples.py"
     )
 
