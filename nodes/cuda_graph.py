@@ -42,10 +42,9 @@ from .graph_deferral import (  # noqa: F401  (ControlCall, _JoinOnUse: used by t
     on_stream,
     residual_tensors,
 )
-from .graph_state import (  # noqa: F401  (TOTALS, _STATES, graph_stats: tests and tools)
+from .graph_state import (  # noqa: F401  (_STATES, graph_stats: tests and tools)
     _STATES,
     RUN_KEY,
-    TOTALS,
     GraphRun,
     existing_state,
     graph_stats,
