@@ -281,8 +281,3 @@ def compress(module: torch.nn.Module, weight=None, bias=None, mode: str = "int8"
     if mode == "stream":
         return (StreamedConv2d if conv else StreamedLinear)(module, weight, bias)
     raise ValueError(f"unknown mode {mode!r}")
-
-
-def candidates(root: torch.nn.Module, skip=lambda name: False) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every compressible layer under ``root``, in module order."""
-    return [(n, m) for n, m in root.named_modules() if n and not skip(n) and why_not(m) is None]

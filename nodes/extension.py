@@ -7,9 +7,6 @@ from comfy_api.latest import ComfyExtension, io
 
 from ..logger import logger
 
-PREFIX = "CNA_"
-CATEGORY = "ControlNet Accelerator"
-
 
 def node_classes() -> list[type[io.ComfyNode]]:
     """Every node the pack registers, in the order ComfyUI's search shows them."""
