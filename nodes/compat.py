@@ -185,6 +185,38 @@ def is_dynamic(patcher) -> bool:
         return False
 
 
+def dynamic_layers(module) -> int:
+    """How many layers under ``module`` have their weights managed by DynamicVRAM: those
+    ``ModelPatcherDynamic.load`` gave a slice of the model's virtual VRAM range (``_v``). Their
+    parameters stay where the checkpoint was loaded (system RAM, the file's dtype); each forward
+    faults the slice in (``comfy_aimdo.model_vbar.vbar_fault``), copies the weight there when it
+    is not resident, computes from it and unpins it, so the slice can be evicted whenever
+    another allocation needs the memory. 0 for every model on 0.3.64, on the CPU, and for
+    models loaded with DynamicVRAM off."""
+    try:
+        return sum(1 for m in module.modules() if getattr(m, "_v", None) is not None)
+    except Exception:  # not a torch module
+        return 0
+
+
+DYNAMIC_CAPTURE = (
+    "ComfyUI's DynamicVRAM manages this model's weights (loaded as layers run, evictable "
+    "between them): a CUDA graph cannot hold them, so it runs eager; start ComfyUI with "
+    "--disable-dynamic-vram to capture it"
+)
+
+
+def capture_blocker(module) -> str | None:
+    """Why a CUDA graph must not capture ``module`` under this ComfyUI, or None.
+
+    Under DynamicVRAM a captured step would read weights at addresses that are only valid
+    while ComfyUI's per-layer code (which a replay skips) keeps them faulted in: a replay after
+    an eviction reads unmapped or reused memory. Layers it loads whole (small ones, and the
+    pack's own INT8 and streamed modules) are cast again at every load, so their addresses
+    change from one sampling run to the next as well."""
+    return DYNAMIC_CAPTURE if dynamic_layers(module) else None
+
+
 # ---- memory management ----------------------------------------------------------------------
 
 

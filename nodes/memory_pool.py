@@ -289,7 +289,9 @@ class MemoryPoolPatch:
         Whatever arguments this ComfyUI passes go through unchanged."""
         a = compat.prepare_sampling_args(args, kwargs)
         model, conds = a.get("model"), a.get("conds") or {}
-        if compat.is_dynamic(model):
+        self.reserved = 0
+        dynamic = compat.is_dynamic(model)
+        if dynamic:
             compat.info_once(
                 "pool:dynamic",
                 "Memory Pool: ComfyUI's DynamicVRAM is on: the pool's INT8 layers are loaded "
@@ -297,14 +299,15 @@ class MemoryPoolPatch:
                 "working memory are left to DynamicVRAM, which loads weights as they run (no "
                 "working memory is reserved for the pool; --disable-dynamic-vram restores it)",
             )
-            self.reserved = 0
-            return executor(*args, **kwargs)
-        try:
-            patchers = _models_of(model, conds)
-        except Exception as e:  # a newer ComfyUI's conds: count the model's layers only
-            logger.debug("Memory Pool: models of the run unknown (%s)", e)
-            patchers = [model]
-        reserve = self.reserve_bytes(patchers)
+            needed = 0  # not counted: nothing would be done with it
+        else:
+            try:
+                patchers = _models_of(model, conds)
+            except Exception as e:  # a newer ComfyUI's conds: count the model's layers only
+                logger.debug("Memory Pool: models of the run unknown (%s)", e)
+                patchers = [model]
+            needed = self.reserve_bytes(patchers)
+        reserve = working_memory_to_reserve(dynamic, needed)
         base = getattr(model, "model", None)
         orig = getattr(base, "memory_required", None)
         if reserve <= 0 or not callable(orig):
@@ -441,6 +444,18 @@ class MemoryPoolPatch:
             if failed:
                 data["int8_failed"] = failed
             status.report(node_id, "memory_pool", lines + tail, data)
+
+
+def working_memory_to_reserve(dynamic: bool, needed: int) -> int:
+    """What the pool asks ComfyUI to keep free before it loads a run's models.
+
+    With the legacy loader, ComfyUI frees (unloads whole models) only what the step's estimate
+    says, so the pool's own working memory (``MemoryPoolPatch.reserve_bytes``) is added to it.
+    Under DynamicVRAM nothing is: ComfyUI 0.33 then never unloads a dynamic model to make room
+    for another (``free_memory(..., for_dynamic=True)`` frees 0 for them), and every later
+    allocation that finds no room evicts unpinned weight pages on demand (comfy-aimdo hooks
+    ``cuMemAlloc``), the pool's expansion buffers included."""
+    return 0 if dynamic else max(0, int(needed))
 
 
 def graph_pool_idle_bytes(device) -> int:

@@ -78,6 +78,7 @@ def test_memory_pool_prepare_sampling_passes_new_arguments_through(host, tiny_mo
     """0.33 calls PREPARE_SAMPLING wrappers with force_full_load/force_offload; whatever comes
     reaches ComfyUI unchanged, and ComfyUI's estimate is its own again afterwards."""
     mp = _pack(host).nodes.memory_pool
+    compat = _pack(host).nodes.compat
     model = _loaded(tiny_models)
     m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions(unet_weights=weights))
     import comfy.patcher_extension as pe
@@ -91,9 +92,15 @@ def test_memory_pool_prepare_sampling_passes_new_arguments_through(host, tiny_mo
     ((args, kwargs),) = ex.calls
     assert args == (m, (1, 4, 8, 8), {})
     assert kwargs == {"model_options": {}, "force_full_load": True, "new_arg": 3}
-    reserve = wrapper.__self__.reserve_bytes([m])
+    patch = wrapper.__self__
+    reserve = patch.reserve_bytes([m])
     assert (reserve > 0) == (weights == "int8")
-    assert seen["inner"] == before + reserve  # the pool's working memory, for this call only
+    # the pool's working memory, for this call only; under DynamicVRAM (0.33 on an NVIDIA GPU,
+    # where this model is a ModelPatcherDynamic) nothing is added: ComfyUI then finds working
+    # memory by evicting weights on demand
+    added = 0 if compat.is_dynamic(m) else reserve
+    assert compat.is_dynamic(m) == host.dynamic_vram
+    assert seen["inner"] == before + added and patch.reserved == added
     assert "memory_required" not in vars(m.model)
 
 
@@ -223,3 +230,72 @@ def test_a_missing_wrapper_type_fails_soft_with_one_line(host, caplog, monkeypat
         assert compat.set_wrapper(Patcher(), "CALC_COND_BATCH", "k", print) is False
         assert compat.set_wrapper(Patcher(), "CALC_COND_BATCH", "k", print) is False
     assert sum("no CALC_COND_BATCH wrapper" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_pool_reserves_working_memory_only_without_dynamic_vram(host):
+    """The decision alone: the legacy loader is told the pool's working memory; DynamicVRAM
+    (which evicts weights for any allocation that finds no room) is told nothing."""
+    mp = _pack(host).nodes.memory_pool
+    assert mp.working_memory_to_reserve(False, 3 << 20) == 3 << 20
+    assert mp.working_memory_to_reserve(False, 0) == 0
+    assert mp.working_memory_to_reserve(False, -5) == 0
+    assert mp.working_memory_to_reserve(True, 3 << 20) == 0
+
+
+def test_a_reserve_is_not_carried_over_to_a_run_that_needs_none(host, tiny_models):
+    """The badge's "kept free for the pool" is the last run's figure, never an older one's:
+    a run with nothing to reserve (weights as loaded, or DynamicVRAM) reports 0."""
+    mp = _pack(host).nodes.memory_pool
+    import comfy.patcher_extension as pe
+
+    for weights, dynamic in (("as loaded", None), ("int8", True)):
+        m, _ = mp.apply_memory_pool(_loaded(tiny_models), None, mp.PoolOptions(weights))
+        if dynamic:
+            m.is_dynamic = lambda: True  # a DynamicVRAM patcher, as 0.33 makes them on a GPU
+        (wrapper,) = m.get_wrappers(pe.WrappersMP.PREPARE_SAMPLING, mp.WRAPPER_KEY)
+        patch = wrapper.__self__
+        patch.reserved = 123  # as an earlier run left it
+        wrapper(_Executor(), m, (1, 4, 8, 8), {}, model_options={})
+        assert patch.reserved == 0, weights
+
+
+class _Layer(torch.nn.Linear):
+    pass
+
+
+def test_layers_dynamic_vram_manages_are_counted_and_block_capture(host):
+    """``ModelPatcherDynamic.load`` gives each layer whose weights it faults in a slice of the
+    model's virtual VRAM range (``_v``); a model with any such layer is not captured."""
+    compat = _pack(host).nodes.compat
+    net = torch.nn.Sequential(_Layer(4, 4), torch.nn.Sequential(_Layer(4, 4), torch.nn.ReLU()))
+    assert compat.dynamic_layers(net) == 0 and compat.capture_blocker(net) is None
+    net[1][0]._v = ("vbar", 0x7F0000000000, 64)  # (vbar, address, size), as 0.33 sets it
+    assert compat.dynamic_layers(net) == 1
+    why = compat.capture_blocker(net)
+    assert why is not None and "DynamicVRAM" in why and "--disable-dynamic-vram" in why
+    net[0]._v = None  # a layer loaded whole has no slice
+    assert compat.dynamic_layers(net) == 1
+    assert compat.dynamic_layers(object()) == 0 and compat.capture_blocker(object()) is None
+
+
+def test_a_loaded_model_is_dynamic_exactly_when_dynamic_vram_is_on(host, tiny_models):
+    """The real loader: under DynamicVRAM (0.33 on an NVIDIA GPU) loading the UNet gives its
+    large layers virtual-VRAM slices, so the pack's graph capture stands aside; with the legacy
+    loader (0.3.64, the CPU, --disable-dynamic-vram) there are none."""
+    import comfy.model_management as mm
+
+    compat = _pack(host).nodes.compat
+    model = _loaded(tiny_models)
+    mm.load_models_gpu([model])
+    unet = model.model.diffusion_model
+    n = compat.dynamic_layers(unet)
+    assert (n > 0) == compat.is_dynamic(model) == host.dynamic_vram
+    assert (compat.capture_blocker(unet) is not None) == (n > 0)
+    if n:  # their parameters stay where the checkpoint was loaded, not on the GPU
+        assert all(
+            not p.is_cuda
+            for m in unet.modules()
+            if getattr(m, "_v", None) is not None
+            for p in m.parameters(recurse=False)
+        )
+    mm.unload_all_models()
