@@ -199,6 +199,33 @@ def dynamic_layers(module) -> int:
         return 0
 
 
+def size_dynamic_range(patcher) -> bool:
+    """Under DynamicVRAM, make ``patcher``'s network's virtual VRAM range now, at this
+    (full-size) patcher's size. True when the range exists afterwards.
+
+    ComfyUI 0.33 makes one range per network and device, shared by every clone, the first time
+    a clone of it loads: ``model_size() * 10`` bytes (``ModelPatcherDynamic._vbar_get``). A
+    Memory Pool clone reports a far smaller size (a streamed ControlNet: about 0.1%); loaded
+    first, it would make a range too small for a stock clone of the same network loaded later
+    (``ModelVBAR.alloc`` raises "VBAR OOM"). Without DynamicVRAM, or where this ComfyUI has no
+    such range, nothing is done (False, logged once for the latter)."""
+    if not is_dynamic(patcher):
+        return False
+    get = getattr(patcher, "_vbar_get", None)
+    if not callable(get):
+        warn_once(
+            "vbar",
+            "ControlNet Accelerator: this ComfyUI's DynamicVRAM has no per-network VRAM range "
+            "to size; a Memory Pool clone loaded first sizes it",
+        )
+        return False
+    try:
+        return get(create=True) is not None
+    except Exception as e:  # never fail the node over it; ComfyUI makes the range on load
+        warn_once("vbar", "ControlNet Accelerator: could not size DynamicVRAM's range (%s)", e)
+        return False
+
+
 DYNAMIC_CAPTURE = (
     "ComfyUI's DynamicVRAM manages this model's weights (loaded as layers run, evictable "
     "between them): a CUDA graph cannot hold them, so it runs eager; start ComfyUI with "

@@ -202,6 +202,7 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
                 _COMPRESSED.pop(module, None)
         raise
     if rep.layers:
+        compat.size_dynamic_range(patcher)  # before a smaller clone could size it
         clone.size = max(1, patcher.model_size() - rep.bytes_before + rep.bytes_after)
         clone.patches_uuid = uuid.uuid4()
     else:

@@ -299,3 +299,65 @@ def test_a_loaded_model_is_dynamic_exactly_when_dynamic_vram_is_on(host, tiny_mo
             for p in m.parameters(recurse=False)
         )
     mm.unload_all_models()
+
+
+class _DynamicPatcher:
+    """Stands for a ModelPatcherDynamic: one range per network, made at the first loader's size
+    (as ``ModelPatcherDynamic._vbar_get`` does)."""
+
+    def __init__(self, size, ranges, dynamic=True):
+        self.size, self.ranges, self.dynamic = size, ranges, dynamic
+
+    def is_dynamic(self):
+        return self.dynamic
+
+    def _vbar_get(self, create=False):
+        if create and "range" not in self.ranges:
+            self.ranges["range"] = self.size * 10
+        return self.ranges.get("range")
+
+
+def test_the_dynamic_range_is_sized_by_the_full_network(host, caplog):
+    compat = _pack(host).nodes.compat
+    ranges: dict = {}
+    full, pooled = _DynamicPatcher(1000, ranges), _DynamicPatcher(1, ranges)
+    assert compat.size_dynamic_range(full) is True and ranges["range"] == 10000
+    assert compat.size_dynamic_range(pooled) is True and ranges["range"] == 10000  # kept
+    legacy: dict = {}
+    assert compat.size_dynamic_range(_DynamicPatcher(5, legacy, dynamic=False)) is False
+    assert legacy == {}
+
+    class Old(_DynamicPatcher):  # a DynamicVRAM without the per-network range
+        _vbar_get = None
+
+    compat._warned.discard("vbar")
+    with caplog.at_level(logging.WARNING):
+        assert compat.size_dynamic_range(Old(5, {})) is False
+        assert compat.size_dynamic_range(Old(5, {})) is False
+    assert sum("VRAM range" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_stock_controlnet_loads_after_its_streamed_clone(host, tiny_models):
+    """The streamed ControlNet's clone reports about 0.1% of the network's size and loads
+    first; the same ControlNet without the pool then loads too (under DynamicVRAM its shared
+    virtual VRAM range was made at the full size, not at the clone's)."""
+    import comfy.controlnet
+    import comfy.model_management as mm
+
+    compat = _pack(host).nodes.compat
+    mp = _pack(host).nodes.memory_pool
+    model = _loaded(tiny_models)
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    full = cn.control_model_wrapped.model_size()
+    _, pooled = mp.apply_memory_pool(
+        model, cn, mp.PoolOptions(unet_weights="as loaded", controlnet_weights="stream")
+    )
+    assert pooled.control_model_wrapped.model_size() < 0.01 * full
+    mm.load_models_gpu([pooled.control_model_wrapped])
+    mm.load_models_gpu([cn.control_model_wrapped])  # stock: raised "VBAR OOM" when too small
+    assert any(lm.model is cn.control_model_wrapped for lm in mm.current_loaded_models)
+    ranges = getattr(cn.control_model, "dynamic_vbars", {})
+    assert bool(ranges) == compat.is_dynamic(cn.control_model_wrapped) == host.dynamic_vram
+    for vbar in ranges.values():
+        assert vbar.max_size == 10 * full
+    mm.unload_all_models()
