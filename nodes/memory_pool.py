@@ -26,8 +26,11 @@ What it does to a workflow's models, through ComfyUI's own extension points only
   resident), through ComfyUI's ``free_memory`` with the run's models kept; ComfyUI loads them
   again when a later node needs them.
 - **DynamicVRAM** (``nodes/compat.py``). The replaced layers are plain modules to ComfyUI, so
-  DynamicVRAM loads their int8 weights whole (streamed layers keep theirs in pinned RAM) and
-  manages every other layer as usual; the log says so once.
+  DynamicVRAM loads their int8 weights whole at every load (streamed layers keep theirs in
+  pinned RAM) and manages every other layer as usual; the log says so once. It never loads a
+  checkpoint whole to the GPU, reserves nothing for the pool (``working_memory_to_reserve``),
+  and the network's shared virtual VRAM range is made at the full network's size before a
+  smaller pooled clone could make it (``compat.size_dynamic_range``).
 - **Report.** Peak allocated and reserved VRAM of each sampling run, logged and kept in
   ``LAST_RUN`` for the front end.
 """
