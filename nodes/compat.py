@@ -22,6 +22,10 @@ What differs, and how each is handled:
   ``--disable-dynamic-vram``. Weights of ComfyUI's own layers (``comfy_cast_weights``) are then
   faulted into VRAM as they run and evicted under pressure; other modules' parameters are
   loaded whole ("force pre-loaded"). ``is_dynamic`` and ``dynamic_vram_enabled`` tell.
+- **DynamicVRAM and CUDA graphs.** A layer whose weights DynamicVRAM faults in per forward
+  (``dynamic_layers``) is read at an address that stays valid only while ComfyUI's per-layer
+  code keeps it faulted in; a graph replay skips that code. ``capture_blocker`` names the
+  reason the pack's graphs run such a model eager.
 - **Memory management.** Unloading uses ``model_management.free_memory(..., keep_loaded=...)``
   (both versions) instead of editing ``current_loaded_models``: ``unload_models_of`` and
   ``unload_all_but``.
