@@ -352,12 +352,18 @@ class _Entry:
     calls: int = 0
 
 
-def _forward_for(ref: Callable[[], Callable | None], tag: str) -> Callable:
-    """A function calling ``ref()`` with its own code object: dynamo keeps compiled code per
-    code object, so each signature's compile lives (and is freed) on its own."""
+def _forward_for(ref: Callable[[], Callable | None], tag: str, method: str | None) -> Callable:
+    """A function calling ``ref()`` (or its ``method``) with its own code object: dynamo keeps
+    compiled code per code object, so each signature's compile lives (and is freed) on its own."""
+    if method is None:
 
-    def forward(*args, **kwargs):
-        return ref()(*args, **kwargs)
+        def forward(*args, **kwargs):
+            return ref()(*args, **kwargs)
+
+    else:
+
+        def forward(*args, **kwargs):
+            return getattr(ref(), method)(*args, **kwargs)
 
     code = forward.__code__.replace(co_name=tag)
     if hasattr(code, "co_qualname"):
@@ -397,7 +403,9 @@ def _strong_or_weak(target: Callable) -> Callable[[], Callable | None]:
 class CompiledModule:
     """``target`` (an ``nn.Module`` or function) compiled per input signature; see the module
     docstring. ``name`` appears in logs and progress events. ``on_progress(CompileProgress)``
-    is called during compiles; its exceptions are ignored."""
+    is called during compiles; its exceptions are ignored. ``method``: compile and call this
+    method of the module instead of calling the module (e.g. a forward body that a host's
+    wrappers call, so the wrappers themselves stay outside the compiled code)."""
 
     def __init__(
         self,
@@ -407,11 +415,15 @@ class CompiledModule:
         *,
         max_shapes: int = 4,
         on_progress: Callable[[CompileProgress], None] | None = None,
+        method: str | None = None,
     ):
         if max_shapes < 1:
             raise ValueError("max_shapes must be at least 1")
         target, adopted = unwrap_compiled(target)
+        if method is not None and not callable(getattr(target, method, None)):
+            raise TypeError(f"{name}: {type(target).__name__} has no method {method!r}")
         self._ref = _strong_or_weak(target)
+        self.method = method
         self.name = name
         self.options = options or CompileOptions()
         self.max_shapes = max_shapes
@@ -436,6 +448,10 @@ class CompiledModule:
     def target(self) -> Callable | None:
         return self._ref()
 
+    def _callee(self, target):
+        """What an eager call runs: the target, or its method."""
+        return target if self.method is None else getattr(target, self.method)
+
     def reset(self) -> None:
         """Drop every compiled signature and remembered failure (the on-disk cache stays, so
         compiling a signature again is mostly a cache hit)."""
@@ -456,6 +472,7 @@ class CompiledModule:
             self.options,
             max_shapes=self.max_shapes,
             on_progress=self.on_progress,
+            method=self.method,
         )
 
     def is_compiled(self, *args, **kwargs) -> bool:
@@ -493,7 +510,7 @@ class CompiledModule:
         with self._lock:
             if key in self.failed:
                 self.eager_calls += 1
-                return target(*args, **kwargs)
+                return self._callee(target)(*args, **kwargs)
             entry = self.entries.get(key)
             if entry is None:
                 why = compile_forbidden()
@@ -571,7 +588,7 @@ class CompiledModule:
                 self._log_once(f"cache: {_first_line(e)}", "compile cache folder unusable: %s", e)
         self._serial += 1
         tag = re.sub(r"\W", "_", f"cna_{self.name}_{self._serial}")
-        forward = _forward_for(self._ref, tag)
+        forward = _forward_for(self._ref, tag, self.method)
         fn = torch.compile(
             forward,
             backend=self._backend,
@@ -666,7 +683,7 @@ class CompiledModule:
         if ran is not None:
             return ran
         self.eager_calls += 1
-        return target(*args, **kwargs)
+        return self._callee(target)(*args, **kwargs)
 
     def _log_once(self, reason: str, fmt: str, *fargs) -> None:
         if reason in self._logged:
@@ -691,7 +708,7 @@ class CompiledModule:
         target = self._ref()
         if target is None:
             raise ReferenceError(f"{self.name}: the compiled module was freed")
-        result = check_parity(self, target, args, kwargs, tol=tol)
+        result = check_parity(self, self._callee(target), args, kwargs, tol=tol)
         key = signature(args, kwargs, self.options.dynamic)
         if not result.ok and key in self.entries:
             with self._lock:
@@ -827,14 +844,16 @@ class CompileCache:
         self.max_modules = max_modules
         self.max_shapes = max_shapes
         self.on_progress = on_progress
-        self._mods: OrderedDict[int, tuple[weakref.ref, CompiledModule]] = OrderedDict()
+        self._mods: OrderedDict[tuple, tuple[weakref.ref, CompiledModule]] = OrderedDict()
 
-    def get(self, module: torch.nn.Module, name: str) -> CompiledModule:
+    def get(self, module: torch.nn.Module, name: str, method: str | None = None) -> CompiledModule:
+        """The module's ``CompiledModule`` (for ``method``, when given), made on first use."""
         module, _ = unwrap_compiled(module)
         self._prune()
-        hit = self._mods.get(id(module))
+        key = (id(module), method)
+        hit = self._mods.get(key)
         if hit is not None and hit[0]() is module:
-            self._mods.move_to_end(id(module))
+            self._mods.move_to_end(key)
             hit[1].on_progress = self.on_progress
             return hit[1]
         cm = CompiledModule(
@@ -843,8 +862,9 @@ class CompileCache:
             self.options,
             max_shapes=self.max_shapes,
             on_progress=self.on_progress,
+            method=method,
         )
-        self._mods[id(module)] = (weakref.ref(module), cm)
+        self._mods[key] = (weakref.ref(module), cm)
         while len(self._mods) > self.max_modules:
             _, (_, old) = self._mods.popitem(last=False)
             old.reset()

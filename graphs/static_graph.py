@@ -165,6 +165,7 @@ class GraphCache:
         verify_tol: float = 1e-3,
         prepare: Callable[[GraphEntry], None] | None = None,
         device: torch.device | None = None,
+        compile_first: bool = False,
     ) -> tuple[GraphEntry, torch.Tensor]:
         """Capture ``fn`` for ``key``; returns the entry and this call's (eager) result.
 
@@ -172,7 +173,10 @@ class GraphCache:
         on the CPU (ComfyUI keeps conditioning there) are copied in before each replay, outside
         the graph: a copy from pageable host memory cannot be captured.
         ``prepare(entry)`` runs after the static buffers exist and before warm-up, so the caller
-        can point its own objects at ``entry.extras`` buffers. Raises ``CaptureFailed``.
+        can point its own objects at ``entry.extras`` buffers. ``compile_first``: ``fn`` compiles
+        code on its first call for these inputs (graphs/compiled.py), which may not happen in
+        the checked warm-up or the capture; one ordinary call on the static buffers runs first.
+        Raises ``CaptureFailed``.
         """
         if self.async_allocator and _ASYNC_BROKEN:
             raise CaptureFailed(_ASYNC_BROKEN[0])
@@ -182,6 +186,11 @@ class GraphCache:
         if prepare is not None:
             prepare(entry)
         if self.backend == "cuda":
+            if compile_first:
+                try:
+                    fn(*static)
+                except Exception as e:
+                    raise CaptureFailed(f"compile: {type(e).__name__}: {e}") from e
             eager = self._capture_cuda(entry, fn, warmup)
         else:
             eager = fn(*static)

@@ -62,8 +62,12 @@ class Runner:
         sampler_id = ids["sampler"]
         marks: list = []
 
+        from ..nodes.compiled_step import PROGRESS_TOTAL
+
         def hook(value, total, preview, node_id=None):
             if node_id is not None and str(node_id) != str(sampler_id):
+                return
+            if total == PROGRESS_TOTAL:  # a compile's bar on the sampler's node, not a step
                 return
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=True)

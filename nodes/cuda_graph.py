@@ -31,9 +31,10 @@ import torch
 
 from ..errors import is_out_of_memory
 from ..graphs import CaptureFailed
+from ..graphs.compiled import CompileOptions
 from ..logger import logger
 from ..memory import prefetch
-from . import status, step_plan
+from . import compiled_step, status, step_plan
 from .channels_last import LayoutSwap
 from .graph_deferral import (  # noqa: F401  (ControlCall, _JoinOnUse: used by tests and tools)
     ControlCall,
@@ -67,6 +68,9 @@ class GraphOptions:
     # are first read at the middle block); see _JoinOnUse. On by default: bit-identical and
     # 4-10% faster per step on the H200 (docs/benchmarks.md).
     concurrent_controlnet: bool = True
+    # Compiled mode (compiled_step.py): inductor's code for the UNet and ControlNets inside the
+    # graphs. None: the eager kernels, exactly stock.
+    compile: CompileOptions | None = None
 
 
 def _supported_control_types() -> tuple[type, ...]:
@@ -117,6 +121,9 @@ class CudaGraphPatch:
             torch.cuda.reset_peak_memory_stats()  # the badge's peak is this run's
         if self.options.enabled and self.options.channels_last:
             run.layout = LayoutSwap()
+        comp = None
+        if self.options.enabled:
+            comp = compiled_step.begin_run(self.options.compile, guider.model_options, model)
         ok = False
         try:
             out = executor(*args, **kwargs)
@@ -127,11 +134,13 @@ class CudaGraphPatch:
             if layout is not None:
                 layout.restore()
             if ok and run.node_id is not None:
-                self._report(model, run, time.perf_counter() - t0)
+                self._report(model, run, time.perf_counter() - t0, comp)
             guider.model_options = orig_options
             run.reset()
+            if comp is not None:
+                comp.reset()
 
-    def _report(self, model, run: GraphRun, wall_s: float) -> None:
+    def _report(self, model, run: GraphRun, wall_s: float, comp=None) -> None:
         """The run's figures to this node's badge (nodes/status.py)."""
         try:
             d = {k: run.counts[k] for k in ("captures", "replays", "eager")}
@@ -162,6 +171,15 @@ class CudaGraphPatch:
                     data["speedup_vs_eager"] = data["eager_ms"] / data["replay_ms"]
                     line += f" · {data['speedup_vs_eager']:.1f}× vs eager step"
                 line += f" · host {data['host_ms_per_step']:.2f} ms"
+                lines.append(line)
+            if comp is not None:
+                cs = comp.stats()
+                data["compiled"] = {"mode": comp.options.mode, "source": comp.source, **cs}
+                line = f"compiled ({comp.options.mode})"
+                if cs["compiles"]:
+                    line += f" · {cs['compiles']} compile(s) in {cs['compile_s']:.0f} s"
+                if cs["failed_signatures"]:
+                    line += f" · {cs['failed_signatures']} eager (see log)"
                 lines.append(line)
             unexpected = sorted(r for r in run.eager_reasons if r not in (FIRST_STEP, CACHE_FILL))
             if unexpected:
@@ -258,7 +276,12 @@ class CudaGraphPatch:
                 for cn in chain_of(call.control):
                     run.layout.ensure(getattr(cn, "control_model", None))
         st = state_for(base_model, self.options.max_graphs, x.device)
-        flags = (run.layout is not None, self.options.concurrent_controlnet)
+        comp = compiled_step.run_of(transformer_options)
+        flags = (
+            run.layout is not None,
+            self.options.concurrent_controlnet and comp is None,
+            comp.options if comp is not None else None,
+        )
         with st.lock:
             plan = step_plan.plan(
                 run,
@@ -338,6 +361,7 @@ class CudaGraphPatch:
                 verify=self.options.verify,
                 verify_tol=self.options.verify_tol,
                 device=x.device,
+                compile_first=compiled_step.run_of(topts) is not None,
             )
         except Exception as e:
             # CaptureFailed says where it failed; anything else (static buffers) says what
@@ -371,10 +395,15 @@ class CudaGraphPatch:
         """The function a graph records: ControlNet chain + UNet on the static inputs. Called
         at capture (and, emulated, at every replay); a real replay runs none of it."""
         names = plan.names
-        concurrent = self.options.concurrent_controlnet
+        comp = compiled_step.run_of(topts)
+        # Compiled code reads the residuals as plain inputs: the ControlNets then run before
+        # the UNet on one stream (no join-on-use inside traced code).
+        concurrent = self.options.concurrent_controlnet and comp is None
 
         def fn(*static):
             t0 = time.perf_counter()
+            if comp is not None:
+                comp.active = True
             by_name = dict(zip(names, static, strict=True))
             kw = {k: by_name.get(k, v) for k, v in kwargs.items()}
             ctrl = side = None
@@ -389,7 +418,8 @@ class CudaGraphPatch:
                     if side is not None:  # fork: the ControlNets wait for the step's inputs only
                         side.wait_stream(torch.cuda.current_stream())
                     ctl = call_topts.get(step_plan.STEP_KEY)
-                    with _chain_overrides(plan.chain, plan.active, extras), on_stream(side):
+                    overrides = _chain_overrides(plan.chain, plan.active, extras, comp)
+                    with overrides, on_stream(side):
                         ctl.graph = True
                         try:
                             ctrl = call.control.get_control(
@@ -429,6 +459,8 @@ class CudaGraphPatch:
                         ctrl = None
                         held.clear()
                     cur.wait_stream(side)
+                if comp is not None:
+                    comp.active = False
                 run.model_s += time.perf_counter() - t0
 
         return fn
@@ -454,12 +486,13 @@ class _chain_overrides:
     reads these from the object and offers no other way in, so they are swapped for the call
     and put back after it. An inactive stock ControlNet passes the previous one's residuals
     through, exactly as stock ``get_control`` would; the pack's fused nets read the host's
-    decision from the call's StepControl instead."""
+    decision from the call's StepControl instead. In compiled mode each network is its
+    compiled stand-in for the call (compiled_step.CompiledNet)."""
 
-    def __init__(self, chain, active, extras):
+    def __init__(self, chain, active, extras, comp=None):
         from .fused_apply import FusedControlNet
 
-        self.chain, self.active, self.extras = chain, active, extras
+        self.chain, self.active, self.extras, self.comp = chain, active, extras, comp
         self.fused = FusedControlNet
         self.saved: list[tuple] = []
 
@@ -468,9 +501,17 @@ class _chain_overrides:
         strengths = self.extras.get("strength", [])
         for i, cn in enumerate(self.chain):
             self.saved.append(
-                (cn.timestep_range, cn.strength, cn.cond_hint, "get_control" in cn.__dict__)
+                (
+                    cn.timestep_range,
+                    cn.strength,
+                    cn.cond_hint,
+                    "get_control" in cn.__dict__,
+                    cn.control_model,
+                )
             )
             cn.timestep_range = None
+            if self.comp is not None and cn.control_model is not None:
+                cn.control_model = self.comp.model.net_for(cn.control_model)
             if i < len(strengths):
                 cn.strength = strengths[i]
             if i < len(hints) and hints[i] is not None:
@@ -480,7 +521,9 @@ class _chain_overrides:
         return self
 
     def __exit__(self, *exc):
-        for cn, (rng, strength, hint, had_get_control) in zip(self.chain, self.saved, strict=False):
+        for cn, saved in zip(self.chain, self.saved, strict=False):
+            rng, strength, hint, had_get_control, net = saved
+            cn.control_model = net
             cn.timestep_range = rng
             cn.strength = strength
             cn.cond_hint = hint
@@ -511,13 +554,18 @@ def apply_cuda_graph(model, options: GraphOptions, node_id=None):
             )
             return m
     patch = CudaGraphPatch(options, node_id)
-    for wtype in ("OUTER_SAMPLE", "CALC_COND_BATCH", "APPLY_MODEL"):
-        m.remove_wrappers_with_key(getattr(pe.WrappersMP, wtype), WRAPPER_KEY)
+    for wtype in ("OUTER_SAMPLE", "CALC_COND_BATCH", "APPLY_MODEL", "DIFFUSION_MODEL"):
+        if hasattr(pe.WrappersMP, wtype):
+            m.remove_wrappers_with_key(getattr(pe.WrappersMP, wtype), WRAPPER_KEY)
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, patch.outer_sample_wrapper)
     m.add_wrapper_with_key(
         pe.WrappersMP.CALC_COND_BATCH, WRAPPER_KEY, patch.calc_cond_batch_wrapper
     )
     m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, patch.apply_model_wrapper)
+    if hasattr(pe.WrappersMP, "DIFFUSION_MODEL"):  # compiled mode's UNet (compiled_step.py)
+        m.add_wrapper_with_key(
+            pe.WrappersMP.DIFFUSION_MODEL, WRAPPER_KEY, compiled_step.diffusion_model_wrapper
+        )
     if hasattr(pe, "CallbacksMP") and hasattr(pe.CallbacksMP, "ON_DETACH"):
         m.remove_callbacks_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY)
         m.add_callback_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY, _on_detach)

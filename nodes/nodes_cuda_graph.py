@@ -9,6 +9,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..errors import NodeInputError
+from . import compiled_step
 from .cuda_graph import GraphOptions, apply_cuda_graph
 from .fused_apply import context_width, family
 from .status import node_id_of
@@ -43,13 +44,28 @@ _CC_TIP = (
     "blocks (their outputs are first needed at the middle block). Same results; measured 4-10% "
     "faster per step on an H200, for about 2% more peak VRAM. On by default."
 )
-
+_COMPILE_TIP = (
+    "Compile the UNet and ControlNets with PyTorch's inductor and capture the compiled code in "
+    "the graphs (needs Triton on a GPU). The first run at a new image size or batch compiles "
+    "first (about a minute for SD1.5 on a fast machine; the progress bar shows it); later runs "
+    "and ComfyUI restarts read the compile cache on disk. Changing strength, prompt, seed or "
+    "start/end never compiles again. Results differ from stock by fp16 rounding only. "
+    "max-autotune tries more kernels per shape: longer first compile. Off: exact stock "
+    "kernels. A model from TorchCompileModel is compiled this way even when off."
+)
+COMPILE_CHOICES = list(compiled_step.CHOICES)
 
 MAX_GRAPHS = (1, 64)
 
 
 def _options(
-    node: str, enabled: bool, max_graphs: int, verify: bool, channels_last: bool, concurrent: bool
+    node: str,
+    enabled: bool,
+    max_graphs: int,
+    verify: bool,
+    channels_last: bool,
+    concurrent: bool,
+    compile: str = "off",
 ) -> GraphOptions:
     lo, hi = MAX_GRAPHS
     ok = isinstance(max_graphs, int) and not isinstance(max_graphs, bool)
@@ -57,12 +73,14 @@ def _options(
         raise NodeInputError(
             node, "max_graphs", f"is {max_graphs!r}, outside {lo}–{hi}", f"Use {lo} to {hi}."
         )
+    check_choices(node, {"compile": (compile, COMPILE_CHOICES)})
     return GraphOptions(
         enabled=enabled,
         max_graphs=max_graphs,
         verify=verify,
         channels_last=channels_last,
         concurrent_controlnet=concurrent,
+        compile=compiled_step.options_for(compile),
     )
 
 
@@ -80,6 +98,9 @@ def _graph_inputs() -> list:
         io.Boolean.Input("verify", default=False, tooltip=_VERIFY_TIP),
         io.Boolean.Input("channels_last", default=False, optional=True, tooltip=_CL_TIP),
         io.Boolean.Input("concurrent_controlnet", default=True, optional=True, tooltip=_CC_TIP),
+        io.Combo.Input(
+            "compile", options=COMPILE_CHOICES, default="off", optional=True, tooltip=_COMPILE_TIP
+        ),
     ]
 
 
@@ -107,6 +128,10 @@ class CUDAGraphModel(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, compile=None):
+        return widget_errors("CUDA Graph", {"compile": (compile, COMPILE_CHOICES)}) or True
+
+    @classmethod
     def execute(
         cls,
         model,
@@ -115,11 +140,12 @@ class CUDAGraphModel(io.ComfyNode):
         verify=False,
         channels_last=False,
         concurrent_controlnet=True,
+        compile="off",
     ) -> io.NodeOutput:
         if not enabled:
             return io.NodeOutput(model)
         opts = _options(
-            "CUDA Graph", enabled, max_graphs, verify, channels_last, concurrent_controlnet
+            "CUDA Graph", enabled, max_graphs, verify, channels_last, concurrent_controlnet, compile
         )
         return io.NodeOutput(apply_cuda_graph(model, opts, node_id=node_id_of(cls)))
 
@@ -192,10 +218,14 @@ class KSamplerCUDAGraph(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, sampler_name=None, scheduler=None):
-        # Named here, both combos are checked by the node on every ComfyUI version (0.3.x does
+    def validate_inputs(cls, sampler_name=None, scheduler=None, compile=None):
+        # Named here, the combos are checked by the node on every ComfyUI version (0.3.x does
         # not check V3 combos), with the message ``execute`` raises for linked values.
-        return widget_errors(KSAMPLER, _sampler_inputs(sampler_name, scheduler)) or True
+        choices = {
+            **_sampler_inputs(sampler_name, scheduler),
+            "compile": (compile, COMPILE_CHOICES),
+        }
+        return widget_errors(KSAMPLER, choices) or True
 
     @classmethod
     def execute(
@@ -215,6 +245,7 @@ class KSamplerCUDAGraph(io.ComfyNode):
         verify=False,
         channels_last=False,
         concurrent_controlnet=True,
+        compile="off",
     ):
         check_choices(KSAMPLER, _sampler_inputs(sampler_name, scheduler))
         import nodes
@@ -225,7 +256,13 @@ class KSamplerCUDAGraph(io.ComfyNode):
             # disabled, it samples exactly as KSampler does and only times the run for its
             # badge (a stock baseline beside an accelerated branch in one workflow)
             opts = _options(
-                KSAMPLER, enabled, max_graphs, verify, channels_last, concurrent_controlnet
+                KSAMPLER,
+                enabled,
+                max_graphs,
+                verify,
+                channels_last,
+                concurrent_controlnet,
+                compile,
             )
             model = apply_cuda_graph(model, opts, node_id=node_id)
         (latent,) = nodes.common_ksampler(

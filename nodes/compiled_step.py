@@ -1,0 +1,259 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Compiled mode of the CUDA Graph nodes: inside the pack's graphs, the UNet and every ControlNet
+run code compiled by inductor (graphs/compiled.py) instead of PyTorch's eager kernels.
+
+How it hooks in (ModelPatcher wrappers and the graph function; no ComfyUI file is touched):
+
+- The UNet: a ``DIFFUSION_MODEL`` wrapper. ComfyUI's ``UNetModel.forward`` runs its wrappers
+  around ``_forward``; inside the graph function ours calls the compiled ``_forward`` instead.
+  Outside it (the run's first step, a Feature Cache fill, a step that runs eager for a reason)
+  the wrapper passes the call through, so those steps are exactly stock.
+- Each ControlNet: ComfyUI's ``get_control`` reads its network from ``control_model`` and offers
+  no other way in, so inside the graph function that attribute is a ``CompiledNet`` for the
+  call and is put back after it (``cuda_graph._chain_overrides``).
+- Compiles run on the first call of a new input signature, before its capture
+  (``GraphCache.capture(compile_first=True)``), never inside one. ComfyUI's progress bar and
+  one log line per compile say what compiles and for which shape. Strength, start/end, prompt,
+  seed and LoRA strength are values fed to the graph, so they cost no compile; a new
+  resolution or batch costs one per network.
+- A model patched by ComfyUI's *TorchCompileModel*: its ``APPLY_MODEL`` wrapper would compile
+  inside the capture (and its modes with CUDA graphs of their own cannot be captured), so it is
+  left out of this run's copy of the model options and its settings become the compiled mode's
+  (``graphs.compiled.options_from_torch_compile``), with one log line.
+- Anything that fails to compile runs eager inside the graph, with the reason logged once; the
+  prompt never fails for it.
+
+State: a ``CompileRun`` per sampling run in ``transformer_options[COMPILE_RUN_KEY]`` (with
+``reset()``/``clone()``), and per model a ``ModelCompile`` in ``_MODELS``, a cache with weak
+keys (bounded by the models alive; each holds at most ``MAX_MODULES`` compiled networks of at
+most ``MAX_SHAPES`` input signatures each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import weakref
+
+from ..graphs.compiled import (
+    CompileCache,
+    CompileOptions,
+    CompileProgress,
+    options_from_torch_compile,
+)
+from ..logger import logger
+
+COMPILE_RUN_KEY = "cna.compile_run"  # transformer_options entry: the run's CompileRun
+TORCH_COMPILE_KEY = "torch.compile"  # ComfyUI's TorchCompileModel wrapper key (APPLY_MODEL)
+TORCH_COMPILE_KWARGS = "torch_compile_kwargs"  # where that node keeps its settings
+BACKEND_ENV = "CNA_COMPILE_BACKEND"  # inductor (default); aot_eager traces without codegen
+
+# The node's choices. max-autotune tries several kernels per GEMM/conv on the first compile of a
+# shape (longer compile, sometimes faster steps); inductor's own CUDA graphs stay off in both.
+CHOICES: dict[str, CompileOptions | None] = {
+    "off": None,
+    "inductor": CompileOptions(),
+    "inductor max-autotune": CompileOptions(mode="max-autotune-no-cudagraphs"),
+}
+MAX_MODULES = 8  # compiled networks per model: the UNet and up to 7 ControlNets
+MAX_SHAPES = 4  # input signatures (resolution, batch) kept compiled per network
+# A compile's progress bar counts to this (per mille of the compile); a sampler's bar counts its
+# steps, so timing code that follows step progress can tell the two apart.
+PROGRESS_TOTAL = 1000
+
+
+def options_for(choice: str) -> CompileOptions | None:
+    """The compile settings for the node's ``compile`` choice (None: off). ``$CNA_COMPILE_BACKEND``
+    picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
+    nothing is generated)."""
+    base = CHOICES[choice]
+    backend = os.environ.get(BACKEND_ENV)
+    if base is not None and backend:
+        base = dataclasses.replace(base, backend=backend)  # CompileOptions validates it
+    return base
+
+
+class CompiledNet:
+    """Stands in for a ControlNet's network during one graph-function call: calls run the
+    compiled network; attribute reads (``dtype``, ``input_hint_block`` …) reach the real one."""
+
+    def __init__(self, compiled):
+        self.__dict__["_compiled"] = compiled
+
+    def __getattr__(self, name):
+        target = self.__dict__["_compiled"].target
+        if target is None:
+            raise AttributeError(name)
+        return getattr(target, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.__dict__["_compiled"](*args, **kwargs)
+
+
+class ModelCompile:
+    """One model's compiled networks, kept across runs (compiling is the expensive part)."""
+
+    def __init__(self, options: CompileOptions):
+        self.options = options
+        self.cache = CompileCache(options, max_modules=MAX_MODULES, max_shapes=MAX_SHAPES)
+        # network -> its stand-in, stable across calls (the Feature Cache keys its buffer
+        # pools by the network object it is handed)
+        self.nets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def net_for(self, module) -> CompiledNet:
+        got = self.nets.get(module)
+        if got is None:
+            got = self.nets[module] = CompiledNet(self.cache.get(module, "ControlNet"))
+        return got
+
+    def unet(self, module):
+        return self.cache.get(module, "UNet", method="_forward")
+
+    def stats(self) -> dict:
+        out = {"compiles": 0, "compile_s": 0.0, "failed_signatures": 0, "eager_calls": 0}
+        for cm in self.cache.modules():
+            s = cm.stats()
+            for k in out:
+                out[k] += s[k]
+        return out
+
+
+# Per model (weak keys): bounded by the models alive; see ModelCompile for what each holds.
+_MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def model_compile(model, options: CompileOptions) -> ModelCompile:
+    """The model's compiled networks for ``options`` (new settings drop the old code)."""
+    with _lock:
+        mc = _MODELS.get(model)
+        if mc is None or mc.options != options:
+            if mc is not None:
+                mc.cache.reset()
+            mc = _MODELS[model] = ModelCompile(options)
+        return mc
+
+
+class CompileRun:
+    """One sampling run of compiled mode: the model's compiled networks, whether the graph
+    function is running (only then do calls go to compiled code), and the progress bar."""
+
+    def __init__(self, model: ModelCompile, source: str = "node"):
+        self.model = model
+        self.source = source  # "node" or "TorchCompileModel"
+        self.reset()
+
+    def reset(self) -> None:
+        self.active = False
+        self._bar = None
+        self.stats_before = self.model.stats()
+
+    def clone(self) -> CompileRun:
+        return CompileRun(self.model, self.source)
+
+    @property
+    def options(self) -> CompileOptions:
+        return self.model.options
+
+    def stats(self) -> dict:
+        """This run's compiles (the model's totals minus those at the run's start)."""
+        now = self.model.stats()
+        return {k: now[k] - self.stats_before.get(k, 0) for k in now}
+
+    def on_progress(self, ev: CompileProgress) -> None:
+        """ComfyUI's progress bar on the node while a network compiles (the log lines come
+        from the compiled module)."""
+        try:
+            import comfy.utils
+
+            n = PROGRESS_TOTAL
+            if ev.phase == "start":
+                self._bar = comfy.utils.ProgressBar(n)
+                self._bar.update_absolute(n // 50)
+            elif self._bar is not None:
+                if ev.phase == "lowering":  # dynamo handed a graph to inductor
+                    self._bar.update_absolute(min(n * 8 // 10, n // 10 + n // 5 * ev.graphs))
+                elif ev.phase == "lowered":
+                    self._bar.update_absolute(min(n * 95 // 100, n * 3 // 10 + n // 5 * ev.graphs))
+                elif ev.phase in ("done", "failed"):
+                    self._bar.update_absolute(n)
+                    self._bar = None
+        except Exception as e:  # a progress bar must never break a compile
+            logger.debug("compiled mode: no progress bar: %s", e)
+
+
+def begin_run(options: CompileOptions | None, model_options: dict, model) -> CompileRun | None:
+    """At a sampling run's start, on the run's own copy of the model options: put a
+    ``CompileRun`` in its transformer_options when compiled mode is on, or when ComfyUI's
+    TorchCompileModel patched the model (its wrapper is left out of the copy, its settings
+    used). Returns the run, or None (compiled mode off)."""
+    topts = model_options.setdefault("transformer_options", {})
+    wrappers = (topts.get("wrappers") or {}).get("apply_model") or {}
+    source = "node"
+    if TORCH_COMPILE_KEY in wrappers:
+        wrappers.pop(TORCH_COMPILE_KEY)  # the run's copy only (create_model_options_clone)
+        if options is None:
+            options, notes = options_from_torch_compile(model_options.get(TORCH_COMPILE_KWARGS))
+            source = "TorchCompileModel"
+            _log_once(
+                ("adopt", options),
+                "CUDA Graph: the model comes from TorchCompileModel; its compile runs inside "
+                "the CUDA graphs (%s, mode %s)%s",
+                options.backend,
+                options.mode,
+                ("; " + "; ".join(notes)) if notes else "",
+            )
+        else:
+            _log_once(
+                ("replace", options),
+                "CUDA Graph: compiled mode is on, so TorchCompileModel's wrapper is not used "
+                "for this model; the node's compile setting applies",
+            )
+    if options is None or model is None:
+        return None
+    run = CompileRun(model_compile(model, options), source)
+    run.model.cache.on_progress = run.on_progress
+    topts[COMPILE_RUN_KEY] = run
+    return run
+
+
+def run_of(transformer_options) -> CompileRun | None:
+    if not isinstance(transformer_options, dict):
+        return None
+    return transformer_options.get(COMPILE_RUN_KEY)
+
+
+def diffusion_model_wrapper(executor, *args, **kwargs):
+    """``DIFFUSION_MODEL`` wrapper: inside the graph function the UNet's ``_forward`` runs
+    compiled; everywhere else the call passes through untouched."""
+    topts = args[5] if len(args) > 5 else kwargs.get("transformer_options")
+    run = run_of(topts)
+    if run is None or not run.active:
+        return executor(*args, **kwargs)
+    if getattr(executor, "idx", 0) != len(getattr(executor, "wrappers", ())) - 1:
+        _log_once(
+            ("inner",),
+            "CUDA Graph: other diffusion-model wrappers run inside this one; the UNet runs "
+            "eager in compiled mode",
+        )
+        return executor(*args, **kwargs)
+    # The UNet writes its own entries (original_shape, transformer_index …) into the options it
+    # is handed; a copy per call keeps the compiled signature the same on every call.
+    if len(args) > 5:
+        args = (*args[:5], dict(topts), *args[6:])
+    else:
+        kwargs["transformer_options"] = dict(topts)
+    return run.model.unet(executor.class_obj)(*args, **kwargs)
+
+
+_LOGGED: set = set()  # messages said once per process (bounded by the distinct settings seen)
+
+
+def _log_once(key, fmt: str, *args) -> None:
+    if key in _LOGGED:
+        logger.debug(fmt, *args)
+        return
+    if len(_LOGGED) < 256:
+        _LOGGED.add(key)
+    logger.info(fmt, *args)

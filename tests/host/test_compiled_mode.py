@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Compiled mode of the CUDA Graph nodes against stock ComfyUI, on the same random weights and
+seeds.
+
+On the CPU the graphs are emulated and the compile backend is ``aot_eager`` (dynamo traces the
+real ComfyUI UNet and ControlNet and runs the traced graphs; no code is generated, which would
+take minutes per network on a small CPU): this checks the glue, the tracing and the guards. On a
+GPU (``CNA_TEST_GPU=1``) the backend is inductor and the compiled kernels are captured in real
+CUDA graphs.
+
+Tolerance: latent PSNR ≥ 45 dB against stock after the run, the pack's "exact" bar. Compiled
+code fuses ops and keeps fp32 accumulators where eager rounds to fp16 in between, so it is not
+bit-identical; one ControlNet more or less, or a changed strength, moves the latent by less than
+30 dB, so 45 dB cannot hide a wrong input.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import workflows as wf
+from comfyui_controlnet_accelerator.harness.quick import _chain, _insert_model_node
+
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
+MIN_PSNR = 45.0
+
+
+@pytest.fixture(autouse=True)
+def compile_backend(host, monkeypatch):
+    if host.cpu:
+        monkeypatch.setenv("CNA_COMPILE_BACKEND", "aot_eager")
+        # ComfyUI's CPU attention (sub-quadratic) asks the OS for free memory inside the
+        # forward, which dynamo cannot trace; on a GPU PyTorch's attention runs. Stock and
+        # compiled runs of these tests both use it.
+        import comfy.ldm.modules.attention as attention
+
+        monkeypatch.setattr(attention, "optimized_attention", attention.attention_pytorch)
+        monkeypatch.setattr(attention, "optimized_attention_masked", attention.attention_pytorch)
+    return "aot_eager" if host.cpu else "inductor"
+
+
+def _status(host):
+    return sys.modules[host.pack_module_name].nodes.status
+
+
+def _run(r, wl, seed, extra=None):
+    import folder_paths
+
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
+    p, ids = wf.build_prompt(wl, seed, hints, extra)
+    return r.run(p, ids), p
+
+
+def _graph(**inputs):
+    return _insert_model_node("CNA_CUDAGraph", enabled=True, max_graphs=8, verify=False, **inputs)
+
+
+def _badge(host, p, class_type="CNA_CUDAGraph") -> dict:
+    node = next(k for k, v in p.items() if v["class_type"] == class_type)
+    return _status(host).LAST[node]["data"]
+
+
+def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, tiny_models):
+    """One ControlNet, 6 steps: the compiled graph path matches stock; the first run compiles
+    the UNet and the ControlNet once each, and a second run with another strength and seed
+    compiles nothing and still matches stock."""
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=6)
+    stock, _ = _run(r, wl, 5)
+    got, p = _run(r, wl, 5, _graph(compile="inductor"))
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
+    data = _badge(host, p)
+    comp = data["compiled"]
+    assert comp["compiles"] == 2 and comp["failed_signatures"] == 0, comp
+    assert data["captures"] >= 1 and data["replays"] >= 4, data
+
+    wl2 = wl.with_(strength=0.55)
+    stock2, _ = _run(r, wl2, 9)
+    got2, p2 = _run(r, wl2, 9, _graph(compile="inductor"))
+    assert runner.psnr(stock2.latent, got2.latent) >= MIN_PSNR
+    data2 = _badge(host, p2)
+    assert data2["compiled"]["compiles"] == 0, data2["compiled"]
+    assert data2["captures"] == 0 and data2["replays"] >= 5, data2
+    # the strength really reached the graph: the two runs differ far beyond the tolerance
+    assert runner.psnr(got.latent, got2.latent) < 30
+
+
+def test_compiled_and_eager_graphs_of_one_model_do_not_share_graphs(host, tiny_models):
+    """The same model through an eager and a compiled CUDA Graph node: each captures its own
+    graph (the compiled one never replays eager kernels, nor the other way round)."""
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4)
+    _run(r, wl, 3, _graph())
+    _, p = _run(r, wl, 3, _graph(compile="inductor"))
+    assert _badge(host, p)["captures"] == 1
+
+
+def test_model_from_torch_compile_model_is_captured_not_refused(host, tiny_models, caplog):
+    """ComfyUI's TorchCompileModel before the CUDA Graph node: its compile runs inside the
+    graphs (its wrapper is not used for the run) instead of making every step eager."""
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=5)
+    stock, _ = _run(r, wl, 8)
+    tcm = _insert_model_node("TorchCompileModel", backend="inductor")
+    with caplog.at_level(logging.INFO):
+        got, p = _run(r, wl, 8, _chain(tcm, _graph()))
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR
+    data = _badge(host, p)
+    assert data["captures"] >= 1 and data["replays"] >= 3, data
+    assert data["compiled"]["source"] == "TorchCompileModel", data["compiled"]
+    assert not data.get("eager_reasons"), data
+    assert any("TorchCompileModel" in rec.getMessage() for rec in caplog.records)
+
+
+def test_ksampler_cuda_graph_compiled_matches_ksampler(host, tiny_models):
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T2"].with_(steps=5)
+    stock, _ = _run(r, wl, 13)
+
+    def ksampler(p: dict, ids: dict) -> None:
+        s = p[ids["sampler"]]
+        s["class_type"] = "CNA_KSamplerCUDAGraph"
+        s["inputs"].update(enabled=True, max_graphs=8, verify=False, compile="inductor")
+
+    got, p = _run(r, wl, 13, ksampler)
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR
+    data = _badge(host, p, "CNA_KSamplerCUDAGraph")
+    assert data["compiled"]["failed_signatures"] == 0 and data["replays"] >= 3, data
+
+
+def test_unknown_compile_choice_is_refused_with_the_nodes_message(host, tiny_models):
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=2)
+    with pytest.raises(Exception) as e:
+        _run(r, wl, 1, _graph(compile="tensorrt"))
+    msg = str(e.value)
+    assert "compile" in msg and "tensorrt" in msg and "inductor" in msg, msg
