@@ -360,7 +360,7 @@ def run_workload(
     import folder_paths
     import torch
 
-    from . import random_models, runner, workflows
+    from . import badges, random_models, runner, workflows
 
     wl = workflows.WORKLOADS[wid]
     if steps is not None:
@@ -378,11 +378,13 @@ def run_workload(
     def run(variant: str, seed: int, *, steps_override=None, prof=False):
         w = wl if steps_override is None else wl.with_(steps=steps_override)
         p, ids = workflows.build_prompt(w, seed, hints, VARIANTS[variant])
-        g0 = _graph_totals()
-        res = r.run(p, ids, profile=prof)
-        g1 = _graph_totals()
-        if g0 is not None and g1 is not None:
-            res.extra["graph_steps"] = {k: g1[k] - g0[k] for k in ("replays", "captures", "eager")}
+        res = badges.run(r, p, ids, profile=prof)
+        if badges.data(res, "cuda_graph"):  # the run's own figures, from the nodes' badges
+            res.extra["graph_steps"] = badges.graph_counts(res)
+        if badges.data(res, "feature_cache"):
+            res.extra["cache_calls"] = badges.summed(
+                res, "feature_cache", ("computed", "reused"), sub="calls"
+            )
         return res
 
     prime = run("stock", 1000)
@@ -410,16 +412,12 @@ def run_workload(
     for k in range(rounds):
         stock_latent = stock_image = None
         for v in list(variants):
-            c0 = _cache_totals()
             try:
                 res = run(v, 2000 + k)
             except runner.WorkflowFailed as e:
                 _not_run(wid, v, f"failed in round {k + 1}: {e}", variants, prog)
                 per_run.pop(v)
                 continue
-            c1 = _cache_totals()
-            if c0 is not None and c1 is not None:
-                res.extra["cache_calls"] = {key: c1[key] - c0[key] for key in c1}
             if v == "stock":
                 stock_latent, stock_image = res.latent, res.image
             per_run[v].append(res)
@@ -531,11 +529,12 @@ def run_workload(
         calls = runs[-1].extra.get("cache_calls")
         if calls and calls["computed"] + calls["reused"] > 0:
             row.extra["controlnet_calls"] = calls  # last round: network calls run vs reused
-        if v != "stock":
-            row.extra["graph_totals"] = _graph_totals()
         steps_g = [x.extra["graph_steps"] for x in runs if "graph_steps" in x.extra]
+        if steps_g:
+            row.extra["graph_steps"] = steps_g[-1]  # last round: model calls replayed, ...
         if uses_graphs(v) and steps_g and not any(g["replays"] for g in steps_g):
-            reasons = (row.extra.get("graph_totals") or {}).get("eager_reasons") or []
+            graph = [d for x in runs for d in badges.data(x, "cuda_graph")]
+            reasons = sorted({r for d in graph for r in d.get("eager_reasons", [])})
             row.extra["ran_eager"] = eager_note(reasons)
         row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
         rows.append(row)
@@ -575,26 +574,6 @@ def _cold_reset() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-
-
-def _cache_totals() -> dict | None:
-    """Feature Cache counters (network calls computed vs reused) so far in this process."""
-    for name, mod in list(sys.modules.items()):
-        if name.endswith("nodes.feature_cache") and hasattr(mod, "STATS"):
-            return dict(mod.STATS)
-    return None
-
-
-def _graph_totals() -> dict | None:
-    """The CUDA Graph Sampler's process-wide counters, to show the graph path really ran."""
-    from . import comfy_host
-
-    try:
-        cg = comfy_host.pack_module().nodes.cuda_graph
-    except Exception:
-        return None
-    reasons = sorted({r for s in cg.graph_stats() for r in s["eager_reasons"]})
-    return {**cg.TOTALS, "eager_reasons": reasons}
 
 
 def uses_graphs(variant: str) -> bool:

@@ -49,15 +49,7 @@ from . import status
 from .fused_apply import FusedControlNet, network_batch
 from .step_control import StepControl, step_control
 
-# Process-wide counters for tests and the benchmark (the badge reads each object's run holder).
-STATS = {"computed": 0, "reused": 0}
 _lock = threading.Lock()
-
-
-def _count(key: str, n: int = 1) -> None:
-    with _lock:
-        STATS[key] += n
-
 
 # Cache of store pools, keyed by network (control_model) then storage; bounded by the live
 # networks (weak keys) and the two storages; a pool keeps at most StorePool.keep free stores.
@@ -101,8 +93,8 @@ class _CachingModel:
                 if not is_out_of_memory(e) or in_graph:
                     raise  # inside a capture the graph wrapper handles it (eager step, retried)
                 owner._give_up(e)  # and compute this step instead
-                _count("reused", -1)
-                _count("computed")
+                run.calls["reused"] -= 1
+                run.calls["computed"] += 1
         out = real(x=x, hint=hint, timesteps=timesteps, context=context, **extra)
         if run.cfg.enabled:
             try:
@@ -145,6 +137,7 @@ class CacheRun:
         self.keys: dict[int, tuple] = {}
         self.memo: tuple | None = None  # (evaluation key, Decision, calls so far)
         self.counts = {"computed": 0, "reused": 0}  # steps, for the node's badge
+        self.calls = {"computed": 0, "reused": 0}  # network calls (one per cond batch)
         self.schedule: tuple | None = None  # (the run's sigmas tensor, its values as floats)
         self.last_step: int | None = None  # the step index of the latest decision
         self.graph_pinned = False  # a CUDA graph holds the stores' buffers
@@ -212,7 +205,12 @@ class CachedControlNet(FusedControlNet):
             f"({100 * c['reused'] / max(1, total):.0f}%)",
             f"{self.cache_settings.cfg.storage} store {status.mib(self.cache_bytes())}",
         ]
-        data = {**c, "hit_rate": c["reused"] / max(1, total), "bytes": self.cache_bytes()}
+        data = {
+            **c,
+            "calls": dict(run.calls),
+            "hit_rate": c["reused"] / max(1, total),
+            "bytes": self.cache_bytes(),
+        }
         if off is not None:
             lines.append("cache off this run: " + status.short(off))
             data["off_reason"] = off
@@ -276,11 +274,12 @@ class CachedControlNet(FusedControlNet):
         return store is not None and store.filled and run.keys.get(slot) == key
 
     def _step_decision(self, x_in, t, topts, key: tuple | None = None) -> tuple[bool, int]:
-        """(reuse?, slot) for this network call, counted in ``STATS``. Counted here, where the
-        eager path and the CUDA Graph wrapper both decide, because a graph replay runs no
-        Python: counted at the network call, replayed steps went uncounted."""
+        """(reuse?, slot) for this network call, counted in the run's ``calls`` (the badge's
+        figures). Counted here, where the eager path and the CUDA Graph wrapper both decide,
+        because a graph replay runs no Python: counted at the network call, replayed steps went
+        uncounted."""
         reuse, slot = self._decide(x_in, t, topts, key)
-        _count("reused" if reuse else "computed")
+        self._crun.calls["reused" if reuse else "computed"] += 1
         return reuse, slot
 
     def _decide(self, x_in, t, topts, key: tuple | None) -> tuple[bool, int]:

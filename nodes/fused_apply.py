@@ -32,7 +32,6 @@ State: ``fused_settings`` (what the Apply node chose; frozen, carried by ``copy`
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import torch
 
@@ -49,15 +48,6 @@ try:  # ComfyUI is the host; keep this module importable for tooling without it
 except ImportError:  # pragma: no cover - only without ComfyUI
     _cn = None
     _Base = object
-
-# Process-wide counters for tests and the benchmark (the badges read each object's run holder).
-STATS = {"hint_encodes": 0, "fused_merges": 0, "positive_only": 0}
-_stats_lock = threading.Lock()
-
-
-def _count(key: str) -> None:
-    with _stats_lock:
-        STATS[key] += 1
 
 
 def why_not_fusable(control_net) -> str | None:
@@ -93,7 +83,6 @@ class _CachedHintBlock:
         if run.hint_key == key and run.hint_enc is not None:
             return run.hint_enc
         enc = self.block(hint, emb, context)
-        _count("hint_encodes")
         run.encodes += 1
         run.hint_key, run.hint_enc, run.hint_src = key, enc, hint
         return enc
@@ -111,7 +100,8 @@ class FusedSettings:
 
 class FusedRun:
     """One sampling run of a FusedControlNet: the hint encoding it keeps, and its badge figures.
-    ``reset`` at the run's start and end; ``clone`` gives a fresh one (a copy starts clean)."""
+    ``reset`` at the run's start and end; ``clone`` gives a fresh one (a copy starts clean).
+    The group's merges are counted on the net the sampler calls (the chain's last)."""
 
     def __init__(self):
         self.reset()
@@ -120,7 +110,9 @@ class FusedRun:
         self.hint_key: tuple | None = None
         self.hint_enc = None
         self.hint_src = None  # keeps the keyed tensor alive, so its id cannot be reused
-        self.encodes = 0
+        self.encodes = 0  # hint encodings this run
+        self.merges = 0  # fused merges of this net's group (one per model evaluation)
+        self.positive_only = 0  # of which on the positive half of the CFG batch only
         self.in_graph = False
         self.strengths: tuple | None = None  # (values, device) -> float32 device tensor
 
@@ -192,7 +184,14 @@ class FusedControlNet(_Base):
             lines = [kern, hint, f"{nets} ControlNet(s) merged in 1 fused op"]
             if self.fused_settings.positive_only:
                 lines.append("positive half of CFG only")
-            data = {"kernels": kern, "hint_encodes": n, "in_graph": graphed, "nets_merged": nets}
+            data = {
+                "kernels": kern,
+                "hint_encodes": n,
+                "in_graph": graphed,
+                "nets_merged": nets,
+                "fused_merges": self._run.merges,
+                "positive_only": self._run.positive_only,
+            }
             status.report(self.fused_settings.node_id, "fused_apply", lines, data)
         except Exception as e:  # a badge must never fail a run
             logger.debug("Apply ControlNet (Fused): no badge: %s", e)
@@ -271,8 +270,8 @@ class FusedControlNet(_Base):
             xs, ts, cs, n_chunks = half
             raws = [cn._stock_call(xs, ts, cs, 1, transformer_options, raw=True) for cn in active]
             merged = _merge_group(raws, _strengths(active, x_noisy.device))
-            _count("fused_merges")
-            _count("positive_only")
+            self._run.merges += 1
+            self._run.positive_only += 1
             return _add_prev(_tile(merged, n_chunks), control_prev)
         if not all(cn._fusable() for cn in active):
             # stock semantics net by net (global average pooling, LINEAR_UP), hint still cached
@@ -288,7 +287,7 @@ class FusedControlNet(_Base):
             for cn in active
         ]
         merged = _merge_group(raws, _strengths(active, x_noisy.device))
-        _count("fused_merges")
+        self._run.merges += 1
         return _add_prev(merged, control_prev)
 
     def _merge_stock(self, raw, control_prev):

@@ -4,8 +4,9 @@ sampling run (``GraphRun``: counters, timing and plans of one run, EasyCache-sty
 
 ``ModelGraphState`` lives in ``_STATES``, a cache keyed by the model object with weak keys: it
 is bounded by the models alive, each holds at most ``max_graphs`` graphs, and it goes with its
-model. ``TOTALS`` adds up every model's counters for the whole process (tests and the benchmark
-read it; the node's badge reads its ``GraphRun``).
+model. Each state counts what happened to its model's graphs (``stats``); ``totals()`` sums the
+live states' counters (logs, tools). A run's own figures are in its ``GraphRun``, which the node's
+badge reports.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from . import status
 
 RUN_KEY = "cna.graph_run"  # the transformer_options entry that holds the run's GraphRun
 
-# Process-wide counters (the states die with their models; these do not).
-TOTALS: dict[str, int] = {"captures": 0, "replays": 0, "eager": 0, "failed": 0, "released": 0}
+COUNTERS = ("captures", "replays", "eager", "failed", "released")
 
 
 class ModelGraphState:
@@ -36,7 +36,8 @@ class ModelGraphState:
         self.fp_run: dict[int, tuple[int, Hashable]] = {}  # id(module) -> (run_id, fingerprint)
         self.eager_reasons: set[str] = set()
         self.lock = threading.Lock()
-        self.stats = {"replays": 0, "eager": 0, "captures": 0}
+        # model calls replayed / captured / run eager, captures that failed, graphs released
+        self.stats = dict.fromkeys(COUNTERS, 0)
         self._side = None
 
     def side_stream(self, x: torch.Tensor):
@@ -50,7 +51,6 @@ class ModelGraphState:
 
     def count(self, what: str, run: GraphRun | None = None) -> None:
         self.stats[what] = self.stats.get(what, 0) + 1
-        TOTALS[what] = TOTALS.get(what, 0) + 1
         if run is not None:
             run.counts[what] = run.counts.get(what, 0) + 1
 
@@ -77,7 +77,7 @@ class ModelGraphState:
         n = len(self.cache.entries)
         if n:
             self.cache.evict(lambda e: True, reason)
-            TOTALS["released"] += n
+            self.stats["released"] += n
         return n
 
 
@@ -109,13 +109,23 @@ def graph_stats() -> list[dict]:
                 "model": type(model).__name__,
                 "backend": st.cache.backend,
                 "graphs": len(st.cache.entries),
-                "failed": dict(st.cache.failed),
+                "failed_signatures": dict(st.cache.failed),
                 "captures": st.cache.captures,
                 "capture_s": st.cache.total_capture_s,
                 "eager_reasons": sorted(st.eager_reasons),
                 **st.stats,
             }
         )
+    return out
+
+
+def totals() -> dict[str, int]:
+    """Every live model's counters added up (a model's go with it: for figures of one run, read
+    its badge, ``status.LAST[node_id]["data"]``, or one model's ``existing_state(m).stats``)."""
+    out = dict.fromkeys(COUNTERS, 0)
+    for st in list(_STATES.values()):
+        for k in COUNTERS:
+            out[k] += st.stats.get(k, 0)
     return out
 
 
@@ -126,7 +136,9 @@ def release_after_oom(cache: GraphCache, reason: str) -> None:
     ``cache.failed``); signatures that did capture are captured again when memory allows."""
     n = len(cache.entries)
     cache.evict(lambda e: True, f"out of memory during capture ({status.short(reason, 120)})")
-    TOTALS["released"] += n
+    for st in list(_STATES.values()):  # the state that owns this cache counts the release
+        if st.cache is cache:
+            st.stats["released"] += n
     gc.collect()
     try:
         import comfy.model_management as mm

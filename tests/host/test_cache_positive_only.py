@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import badges, runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import (
     VARIANTS,
@@ -48,15 +48,14 @@ def _run(host, r, wl, extra):
     """One run: its latent and each Feature Cache node's computed/reused steps (its badge)."""
     import folder_paths
 
-    pack = _pack(host)
     hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
     p, ids = wf.build_prompt(wl, 11, hints, extra)
-    fused_before = pack.nodes.fused_apply.STATS["positive_only"]
-    got = r.run(p, ids)
-    assert pack.nodes.fused_apply.STATS["positive_only"] > fused_before, "positive_only not used"
+    got = badges.run(r, p, ids)
+    fused = badges.summed(got, "fused_apply", ("positive_only",))
+    assert fused["positive_only"] > 0, "positive_only not used"
     nodes = sorted(k for k, v in p.items() if v["class_type"] == "CNA_ControlNetFeatureCache")
-    badges = [pack.nodes.status.LAST[n]["data"] for n in nodes]
-    return got, [{k: b[k] for k in ("computed", "reused")} for b in badges]
+    data = [got.extra["badges"][n]["data"] for n in nodes]
+    return got, [{k: b[k] for k in ("computed", "reused")} for b in data]
 
 
 @pytest.fixture
@@ -80,15 +79,16 @@ def decisions(host, monkeypatch):
 def _eager_and_graph(host, wl, cache, decisions):
     """The same run without and with the CUDA Graph node (emulated on the CPU): each path's
     latent, per-net counts and per-step decisions; checks the graph path really ran."""
-    graph_mod = _pack(host).nodes.cuda_graph
     r = runner.Runner()
     eager, eager_counts = _run(host, r, wl, _chain(cache, _positive_only))
     eager_steps = list(decisions)
     decisions.clear()
-    before = dict(graph_mod.TOTALS)
+    ids = wf.build_prompt(wl, 11, ["x"])[1]
+    before = badges.model_graph_counts(r, ids)
     graph, graph_counts = _run(host, r, wl, _chain(cache, _positive_only, VARIANTS["cuda_graph"]))
-    g = {k: graph_mod.TOTALS[k] - before.get(k, 0) for k in graph_mod.TOTALS}
-    assert g["replays"] + g["captures"] >= wl.steps - 1 and g["failed"] == 0, g
+    failed = badges.model_graph_counts(r, ids)["failed"] - before["failed"]
+    g = badges.graph_counts(graph)
+    assert g["replays"] + g["captures"] >= wl.steps - 1 and failed == 0, (g, failed)
     return (eager, eager_counts, eager_steps), (graph, graph_counts, list(decisions))
 
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import badges, runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS
 
@@ -28,8 +28,13 @@ def _cg(host):
     return sys.modules[host.pack_module_name].nodes.cuda_graph
 
 
-def _totals(host) -> dict:
-    return dict(_cg(host).TOTALS)
+# The model's counters (captures, replays, eager, failed, released), kept by its graph state:
+# build_prompt names the checkpoint loader "ckpt" in every workflow of these tests.
+CKPT = {"ckpt": wf.build_prompt(wf.WORKLOADS["T0"], 0, ["x"])[1]["ckpt"]}
+
+
+def _model(r) -> dict:
+    return badges.model_graph_counts(r, CKPT)
 
 
 def _delta(before, after):
@@ -37,11 +42,12 @@ def _delta(before, after):
 
 
 def _run(r, wl, seed, extra=None, **kw):
+    """Run the workflow; the result carries its nodes' badges (``badges.graph_counts``)."""
     import folder_paths
 
     hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
     p, ids = wf.build_prompt(wl, seed, hints, extra)
-    return r.run(p, ids, **kw), p, ids
+    return badges.run(r, p, ids, **kw), p, ids
 
 
 def _same(host, a, b):
@@ -66,24 +72,26 @@ def test_graph_matches_stock_over_20_steps(host, tiny_models, case):
     wl = CASES[case].with_(steps=20)
     r = runner.Runner()
     stock, _, _ = _run(r, wl, 21)
-    before = _totals(host)
+    before = _model(r)
     graph, _, _ = _run(r, wl, 21, GRAPH)
-    d = _delta(before, _totals(host))
+    d, m = badges.graph_counts(graph), _delta(before, _model(r))
     _same(host, stock, graph)
-    assert d["captures"] >= 1 and d["replays"] >= 15 and d["failed"] == 0, d
+    assert d["captures"] >= 1 and d["replays"] >= 15 and m["failed"] == 0, (d, m)
+    assert m["captures"] == d["captures"] and m["replays"] == d["replays"], (d, m)
 
 
 def test_strength_change_replays_without_recapture(host, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=6)
     _run(r, wl, 3, GRAPH)
-    before = _totals(host)
+    graphs = []
     for s in (0.4, 1.7):
         w = wl.with_(strength=s)
         graph, _, _ = _run(r, w, 3, GRAPH)
         stock, _, _ = _run(r, w, 3)
         _same(host, stock, graph)
-    d = _delta(before, _totals(host))
+        graphs.append(graph)
+    d = badges.graph_counts(graphs)
     assert d["captures"] == 0 and d["replays"] >= 8, d
 
 
@@ -91,12 +99,13 @@ def test_resolution_change_and_back(host, tiny_models):
     r = runner.Runner()
     small = wf.WORKLOADS["T1"].with_(steps=5)
     big = small.with_(width=96, height=80)
-    before = _totals(host)
+    graphs = []
     for wl in (small, big, small, big):
         graph, _, _ = _run(r, wl, 8, GRAPH)
         stock, _, _ = _run(r, wl, 8)
         _same(host, stock, graph)
-    d = _delta(before, _totals(host))
+        graphs.append(graph)
+    d = badges.graph_counts(graphs)
     assert d["captures"] == 2, d  # one per size, the second visit of each size replays
 
 
@@ -137,13 +146,14 @@ def test_capture_failure_falls_back_to_eager_with_reason(host, tiny_models, monk
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=6)
     stock, _, _ = _run(r, wl, 9)
-    before = _totals(host)
+    before = _model(r)
     with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
         g1, _, _ = _run(r, wl, 9, GRAPH)
         g2, _, _ = _run(r, wl, 10, GRAPH)
-    d = _delta(before, _totals(host))
+    d = _delta(before, _model(r))
     _same(host, stock, g1)
     assert d["failed"] == 1 and d["captures"] == 0 and d["replays"] == 0, d
+    assert badges.graph_counts([g1, g2])["replays"] == 0
     warned = [rec.message for rec in caplog.records if "CUDA graph disabled" in rec.message]
     assert len(warned) == 1 and ("injected" in warned[0] or "capture" in warned[0]), warned
     assert g2.latent.isfinite().all()
@@ -176,10 +186,10 @@ def test_models_unloaded_and_reloaded_between_runs(host, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T2"].with_(steps=5)
     _run(r, wl, 2, GRAPH)
-    before = _totals(host)
+    before = _model(r)
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
-    assert _delta(before, _totals(host))["released"] >= 1  # graphs freed with the model
+    assert _delta(before, _model(r))["released"] >= 1  # graphs freed with the model
     graph, _, _ = _run(r, wl, 2 + 1, GRAPH)
     stock, _, _ = _run(r, wl, 2 + 1)
     _same(host, stock, graph)
@@ -209,12 +219,12 @@ def test_per_step_patches_run_eager_with_reason(host, tiny_models, caplog):
 
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=4)
-    before = _totals(host)
     with caplog.at_level("INFO", logger="ControlNetAccelerator"):
         graph, _, _ = _run(r, wl, 6, freeu_then_graph)
     stock, _, _ = _run(r, wl, 6, freeu_only)
     assert torch.equal(stock.latent, graph.latent)
-    assert _delta(before, _totals(host))["captures"] == 0
+    d = badges.graph_counts(graph)
+    assert d["captures"] == 0 and d["eager"] >= wl.steps, d
     assert any("per-block patches" in rec.message for rec in caplog.records)
 
 
@@ -227,11 +237,12 @@ def test_ksampler_cuda_graph_node_matches_ksampler(host, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T2"].with_(steps=6)
     stock, _, _ = _run(r, wl, 14)
-    before = _totals(host)
+    before = _model(r)
     graph, _, _ = _run(r, wl, 14, use_node)
     _same(host, stock, graph)
-    d = _delta(before, _totals(host))
+    d = _delta(before, _model(r))
     assert d["captures"] >= 1 and d["failed"] == 0, d
+    assert badges.graph_counts(graph)["captures"] == d["captures"]  # the node's own badge
 
 
 def test_sampler_custom_advanced_with_graph_model(host, tiny_models):
@@ -280,10 +291,9 @@ def test_sampler_custom_advanced_with_graph_model(host, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=6)
     stock, _, _ = _run(r, wl, 15, custom(False))
-    before = _totals(host)
     graph, _, _ = _run(r, wl, 15, custom(True))
     _same(host, stock, graph)
-    assert _delta(before, _totals(host))["replays"] >= 3
+    assert badges.graph_counts(graph)["replays"] >= 3
 
 
 def test_disabled_node_returns_model_unchanged(host, tiny_models):
@@ -299,12 +309,11 @@ def test_cpu_without_emulation_runs_eager_and_says_why(host, tiny_models, monkey
     monkeypatch.delenv("CNA_GRAPH_BACKEND", raising=False)
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=4)
-    before = _totals(host)
     with caplog.at_level("INFO", logger="ControlNetAccelerator"):
         graph, _, _ = _run(r, wl, 16, GRAPH)
     stock, _, _ = _run(r, wl, 16)
     assert torch.equal(stock.latent, graph.latent)
-    d = _delta(before, _totals(host))
+    d = badges.graph_counts(graph)
     assert d["captures"] == 0 and d["eager"] >= 4, d
     assert any("no CUDA device" in rec.message for rec in caplog.records)
 
@@ -346,10 +355,9 @@ def test_batch_two_img2img_and_ksampler_advanced(host, tiny_models):
             GRAPH(p, ids)
 
         stock, _, _ = _run(r, wl, 17, change)
-        before = _totals(host)
         graph, _, _ = _run(r, wl, 17, with_graph)
         _same(host, stock, graph)
-        assert _delta(before, _totals(host))["replays"] >= 2
+        assert badges.graph_counts(graph)["replays"] >= 2
 
 
 @pytest.mark.parametrize("case", ["1cn", "2cn-range"])
@@ -359,11 +367,11 @@ def test_controlnets_on_a_second_stream_match_stock(host, tiny_models, case):
     wl = CASES[case].with_(steps=20)
     r = runner.Runner()
     stock, _, _ = _run(r, wl, 22)
-    before = _totals(host)
+    before = _model(r)
     conc, _, _ = _run(r, wl, 22, VARIANTS["fused+graph_cc"])
-    d = _delta(before, _totals(host))
+    d, m = badges.graph_counts(conc), _delta(before, _model(r))
     _same(host, stock, conc)
-    assert d["captures"] >= 1 and d["replays"] >= 15 and d["failed"] == 0, d
+    assert d["captures"] >= 1 and d["replays"] >= 15 and m["failed"] == 0, (d, m)
     again, _, _ = _run(r, wl, 22, VARIANTS["fused+graph_cc"])  # replays, same result
     assert torch.equal(again.latent, conc.latent)
 
@@ -438,10 +446,9 @@ def test_a_run_leaves_nothing_on_comfyuis_objects(host, tiny_models):
     wl = CASES["2cn-range"].with_(steps=6)
     gc.collect()
     before = {id(o) for o in gc.get_objects()}
-    before_t = _totals(host)
     r = runner.Runner()  # kept: its node cache holds the run's objects
-    _run(r, wl, 24, _chain(cache, VARIANTS["fused+graph"]))
-    assert _delta(before_t, _totals(host))["replays"] >= 2  # the graph path really ran
+    res, _, _ = _run(r, wl, 24, _chain(cache, VARIANTS["fused+graph"]))
+    assert badges.graph_counts(res)["replays"] >= 2  # the graph path really ran
     gc.collect()
     new = [o for o in gc.get_objects() if id(o) not in before]
     controls = [o for o in new if isinstance(o, comfy.controlnet.ControlBase)]
@@ -480,9 +487,9 @@ def test_badge_reports_host_time_and_the_plan_is_rebuilt_only_for_a_new_signatur
     wl = CASES["1cn"].with_(steps=8)
     r = runner.Runner()
     _run(r, wl, 26)  # load everything first
-    before = _totals(host)
+    before = _model(r)
     _, p, _ = _run(r, wl, 26, GRAPH)
-    d = _delta(before, _totals(host))
+    d = _delta(before, _model(r))
     node = next(k for k, v in p.items() if v["class_type"] == "CNA_CUDAGraph")
     data = status.LAST[node]["data"]
     assert (data["captures"], data["replays"], data["eager"]) == (1, 6, 1), data

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import badges, runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain, _feature_cache
 
@@ -38,8 +38,9 @@ def _hints(wl):
 
 
 def _run(r, wl, seed, extra=None, hint=0):
+    """Run the workflow; the result carries its nodes' badges (the run's own figures)."""
     p, ids = wf.build_prompt(wl, seed, [_hints(wl)[hint]] * 2, extra)
-    return r.run(p, ids)
+    return badges.run(r, p, ids)
 
 
 def _rel(a, b) -> float:
@@ -53,17 +54,16 @@ def _same_as_stock(host, stock, got):
         assert runner.psnr(stock.latent, got.latent) >= 45.0
 
 
-def _delta(host, before):
-    now = _fc(host).STATS
-    return {k: now[k] - before[k] for k in now}
+def _calls(res) -> dict:
+    """The run's ControlNet network calls computed and reused, from the Feature Cache badges."""
+    return badges.summed(res, "feature_cache", ("computed", "reused"), sub="calls")
 
 
 def test_a_cache_that_never_reuses_gives_the_stock_result(host, tiny_models):
     r = runner.Runner()
     stock = _run(r, WL, 5)
-    before = dict(_fc(host).STATS)
     got = _run(r, WL, 5, NEVER)
-    d = _delta(host, before)
+    d = _calls(got)
     _same_as_stock(host, stock, got)
     assert d["reused"] == 0 and d["computed"] == WL.steps  # one CFG batch per step
 
@@ -91,9 +91,8 @@ def test_every_2_reuses_half_the_steps_within_the_promised_fidelity(host, tiny_m
     r = runner.Runner()
     wl = WL.with_(decode=True)
     stock = _run(r, wl, 6)
-    before = dict(_fc(host).STATS)
     got = _run(r, wl, 6, EVERY2)
-    d = _delta(host, before)
+    d = _calls(got)
     # steps 0..7: C R C R C R C C (first and last always computed)
     assert d == {"computed": 5, "reused": 3}
     latent_db, image_ssim = _fidelity(host, stock, got)
@@ -110,9 +109,8 @@ def test_default_settings_keep_the_documented_fidelity(host, tiny_models):
     r = runner.Runner()
     wl = WL.with_(steps=20, decode=True)
     stock = _run(r, wl, 25)
-    before = dict(_fc(host).STATS)
     got = _run(r, wl, 25, _feature_cache(mode="every_n"))
-    d = _delta(host, before)
+    d = _calls(got)
     # steps 0..19: computed at 0, 5, 10, 15 and the last; reused in between
     assert d == {"computed": 5, "reused": 15}, d
     latent_db, image_ssim = _fidelity(host, stock, got)
@@ -179,28 +177,23 @@ def test_memory_is_released_when_sampling_ends(host, tiny_models):
 def test_works_under_the_cuda_graph_node(host, tiny_models):
     """Graph + cache equals eager + cache: the host makes the same decisions, and each decision
     (compute / reuse) is its own graph."""
-    graph_mod = sys.modules[host.pack_module_name].nodes.cuda_graph
     r = runner.Runner()
-    d0 = dict(_fc(host).STATS)
     eager = _run(r, WL, 10, EVERY2)
-    d_eager = _delta(host, d0)
-    before = dict(graph_mod.TOTALS)
-    d0 = dict(_fc(host).STATS)
+    d_eager = _calls(eager)
     graph = _run(r, WL, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
-    d = _delta(host, d0)
+    d = _calls(graph)
     if host.cpu:
         assert torch.equal(graph.latent, eager.latent)
     else:
         assert runner.psnr(eager.latent, graph.latent) >= 45.0
-    g = {k: graph_mod.TOTALS[k] - before.get(k, 0) for k in graph_mod.TOTALS}
+    g = badges.graph_counts(graph)
     assert g["captures"] >= 2 and g["replays"] >= 3, g
     # the counters see replayed steps too (a replay runs no Python): the same as eager
     assert d == d_eager and d["reused"] >= 1, (d, d_eager)
     # a second run on the same objects replays the same two graphs: no new capture
-    before = dict(graph_mod.TOTALS)
     again = _run(r, WL, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
     assert torch.equal(again.latent, graph.latent) or not host.cpu
-    assert graph_mod.TOTALS["captures"] - before["captures"] == 0
+    assert badges.graph_counts(again)["captures"] == 0
     # ComfyUI's loader is told what the kept buffers take (it frees that much VRAM first)
     kept = [
         o
@@ -213,11 +206,10 @@ def test_works_under_the_cuda_graph_node(host, tiny_models):
     # the buffers the graphs were captured with from the network's pool: still no capture, and
     # the result is the one a fresh process gives.
     _run(r, WL, 10)
-    before = dict(graph_mod.TOTALS)
     wl_b = WL.with_(strength=0.6)
     b = _run(r, wl_b, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
-    assert graph_mod.TOTALS["captures"] - before["captures"] == 0
-    assert graph_mod.TOTALS["replays"] - before["replays"] >= 3
+    g = badges.graph_counts(b)
+    assert g["captures"] == 0 and g["replays"] >= 3, g
     fresh = _run(runner.Runner(), wl_b, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
     if host.cpu:
         assert torch.equal(b.latent, fresh.latent)
@@ -266,17 +258,16 @@ def test_two_workflows_alternating_on_one_network_keep_their_graphs(host, tiny_m
     Each must find its own buffers in the pool: after the first round, no capture."""
     from comfyui_controlnet_accelerator.harness.quick import _positive_only
 
-    graph_mod = sys.modules[host.pack_module_name].nodes.cuda_graph
     whole = _chain(EVERY2, VARIANTS["cuda_graph"])
     half = _chain(EVERY2, _positive_only, VARIANTS["cuda_graph"])
     r = runner.Runner()
     _run(r, WL, 12, whole)
     _run(r, WL, 12, half)
-    before = dict(graph_mod.TOTALS)
+    later = []
     for _ in range(2):
-        _run(r, WL, 12, whole)
-        _run(r, WL, 12, half)
-    assert graph_mod.TOTALS["captures"] - before["captures"] == 0
+        later += [_run(r, WL, 12, whole), _run(r, WL, 12, half)]
+    g = badges.graph_counts(later)
+    assert g["captures"] == 0 and g["replays"] >= 4 * 3, g
 
 
 def test_every_n_under_graphs_reads_nothing_from_the_device(host, tiny_models, monkeypatch):
@@ -300,9 +291,8 @@ def test_every_n_under_graphs_reads_nothing_from_the_device(host, tiny_models, m
     monkeypatch.setattr(sc.StepControl, "sigma", sigma)
     monkeypatch.setattr(fc.CachedControlNet, "_step_index", step_index)
     r = runner.Runner()
-    before = dict(_fc(host).STATS)
-    _run(r, WL, 13, _chain(EVERY2, VARIANTS["cuda_graph"]))
-    assert _delta(host, before) == {"computed": 5, "reused": 3}
+    got = _run(r, WL, 13, _chain(EVERY2, VARIANTS["cuda_graph"]))
+    assert _calls(got) == {"computed": 5, "reused": 3}
     assert reads == []
     _run(r, WL, 13, _chain(NEVER, VARIANTS["cuda_graph"]))
     assert len(reads) == WL.steps and len(set(reads)) == WL.steps, reads
