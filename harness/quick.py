@@ -230,6 +230,12 @@ VARIANTS["stack_all_cc"] = _chain(
         concurrent_controlnet=True,
     ),
 )
+# The CUDA Graph node's compiled mode: the step's function compiled by torch.compile (Inductor)
+# before capture. A version of the node without the ``compile`` input reports these as not run.
+VARIANTS["graph_compiled"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, compile="inductor"
+)
+VARIANTS["fused+graph_compiled"] = _chain(_fused_apply, VARIANTS["graph_compiled"])
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")
@@ -277,6 +283,8 @@ class Row:
     psnr_vs_stock_db: float | None
     gpu_busy_ms_step: float | None = None
     launches_step: float | None = None
+    # CPU time per step in the CUDA Graph node's wrappers (median over rounds; graph variants)
+    host_ms_step: float | None = None
     peak_allocated_mib: float | None = None
     peak_reserved_mib: float | None = None
     resident_mib: float | None = None
@@ -396,7 +404,10 @@ def run_workload(
     for v in list(variants):
         p, _ = workflows.build_prompt(wl, 1001, hints, VARIANTS[v])
         key = json.dumps(p, sort_keys=True)
-        if key in seen:
+        unknown = unknown_inputs(p)
+        if unknown:  # ComfyUI would pass them on to the node, which would refuse them
+            _not_run(wid, v, "failed: " + "; ".join(unknown), variants, prog)
+        elif key in seen:
             _not_run(wid, v, f"same prompt as {seen[key]} on this workload", variants, prog)
         else:
             seen[key] = v
@@ -532,6 +543,11 @@ def run_workload(
         steps_g = [x.extra["graph_steps"] for x in runs if "graph_steps" in x.extra]
         if steps_g:
             row.extra["graph_steps"] = steps_g[-1]  # last round: model calls replayed, ...
+            graph = [d for x in runs for d in badges.data(x, "cuda_graph")]
+            host_ms = [d["host_ms_per_step"] for d in graph if "host_ms_per_step" in d]
+            if host_ms:  # CPU time in the pack's wrappers per step (ComfyUI's model excluded)
+                row.host_ms_step = statistics.median(host_ms)
+                row.extra["plans_built"] = [d.get("plans_built") for d in graph]
         if uses_graphs(v) and steps_g and not any(g["replays"] for g in steps_g):
             graph = [d for x in runs for d in badges.data(x, "cuda_graph")]
             reasons = sorted({r for d in graph for r in d.get("eager_reasons", [])})
@@ -574,6 +590,30 @@ def _cold_reset() -> None:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+
+
+def unknown_inputs(prompt: dict) -> list[str]:
+    """Inputs the prompt gives a node whose class does not declare them (a variant written for
+    a newer version of a node than the one loaded), as "<class>: no input '<name>'"."""
+    import nodes
+
+    out = []
+    for node in prompt.values():
+        cls = nodes.NODE_CLASS_MAPPINGS.get(node["class_type"])
+        if cls is None:
+            continue  # ComfyUI's own validation names a missing node
+        try:
+            declared = cls.INPUT_TYPES()
+        except Exception as e:  # a node that cannot list its inputs: let the run say why
+            out.append(f"{node['class_type']}: its inputs could not be read ({e})")
+            continue
+        names = {n for part in ("required", "optional") for n in declared.get(part, {})}
+        out += [
+            f"{node['class_type']} has no input {name!r} in this version"
+            for name in node["inputs"]
+            if name not in names
+        ]
+    return out
 
 
 def uses_graphs(variant: str) -> bool:
@@ -650,11 +690,11 @@ def cold_table(rows: list[Row], wl_info: dict) -> str:
 def table(rows: list[Row], wl_info: dict) -> str:
     head = (
         "| workload | variant | ms/step median (min–max) | ms/step mean | GPU-busy ms/step "
-        "| launches/step "
+        "| launches/step | host ms/step "
         "| peak alloc MiB (resident) | peak reserved MiB | first-run overhead s "
         "| PSNR vs stock dB | image PSNR / SSIM vs stock | ControlNet calls run/reused |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         img = (
             f"{r.extra['image_psnr_vs_stock_db']:.1f} / {r.extra['ssim_vs_stock']:.4f}"
@@ -670,7 +710,8 @@ def table(rows: list[Row], wl_info: dict) -> str:
             f"| {r.workload} ({wl_info[r.workload]}) | {name} | {r.ms_step_median:.2f} "
             f"({r.ms_step_min:.2f}–{r.ms_step_max:.2f}) | {r.ms_step_mean:.2f} | "
             f"{_f(r.gpu_busy_ms_step)} | "
-            f"{_f(r.launches_step, '{:.0f}')} | {_f(r.peak_allocated_mib, '{:.0f}')} "
+            f"{_f(r.launches_step, '{:.0f}')} | {_f(r.host_ms_step, '{:.3f}')} | "
+            f"{_f(r.peak_allocated_mib, '{:.0f}')} "
             f"({_f(r.resident_mib, '{:.0f}')}) | {_f(r.peak_reserved_mib, '{:.0f}')} | "
             f"{overhead_text(r)} | {_f(r.psnr_vs_stock_db, '{:.1f}')} | {img} | "
             f"{calls_s} |"

@@ -134,3 +134,29 @@ def test_table_says_which_graph_variant_ran_eager_and_why():
 def test_graph_variants_are_recognised():
     assert quick.uses_graphs("cuda_graph") and quick.uses_graphs("stack_all")
     assert not quick.uses_graphs("fused") and not quick.uses_graphs("pool_int8")
+
+
+def test_table_shows_host_time_per_step_for_graph_variants_only():
+    graph = _row(1.0, [1.1, 1.2])
+    graph.host_ms_step = 0.4321
+    stock = _row(1.0, [1.1, 1.2])
+    stock.variant = "stock"
+    lines = quick.table([stock, graph], {"T1": "tiny"}).splitlines()
+    cols = [c.strip() for c in lines[0].strip("|").split("|")]
+    at = cols.index("host ms/step")
+    assert lines[1].count("---") == len(cols)
+    assert [c.strip() for c in lines[2].strip("|").split("|")][at] == "—"
+    assert [c.strip() for c in lines[3].strip("|").split("|")][at] == "0.432"
+
+
+def test_compiled_graph_variants_exist_but_are_not_run_by_default():
+    for v in ("graph_compiled", "fused+graph_compiled"):
+        assert v in quick.VARIANTS and v not in quick.DEFAULT_VARIANTS
+        assert quick.uses_graphs(v)
+    from comfyui_controlnet_accelerator.harness.workflows import WORKLOADS, build_prompt
+
+    p, _ = build_prompt(WORKLOADS["T1"], 0, ["h.png"], quick.VARIANTS["fused+graph_compiled"])
+    graph = [n for n in p.values() if n["class_type"] == "CNA_CUDAGraph"]
+    assert len(graph) == 1 and graph[0]["inputs"]["compile"] == "inductor"
+    assert graph[0]["inputs"]["max_graphs"] == 24
+    assert any(n["class_type"] == "CNA_ControlNetApplyFused" for n in p.values())
