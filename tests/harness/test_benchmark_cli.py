@@ -160,3 +160,18 @@ def test_compiled_graph_variants_exist_but_are_not_run_by_default():
     assert len(graph) == 1 and graph[0]["inputs"]["compile"] == "inductor"
     assert graph[0]["inputs"]["max_graphs"] == 24
     assert any(n["class_type"] == "CNA_ControlNetApplyFused" for n in p.values())
+
+
+def test_the_output_says_what_ran_and_that_a_cpu_run_is_no_speed_measurement():
+    info = {"T2": "sd15-tiny 64², 2 CN, 4 steps"}
+    cpu = quick.what_ran(True, info, ["stock", "fused"], quick.CPU_ROUNDS, defaults=True)
+    assert cpu.startswith("Ran on the CPU: T2 (sd15-tiny 64², 2 CN, 4 steps); variants stock")
+    assert f"{quick.CPU_ROUNDS} warm round(s)" in cpu and "not a speed measurement" in cpu
+    assert "--workloads T0,T1,T2" in cpu  # how to run more than the CPU defaults
+    asked = quick.what_ran(True, info, ["stock"], 3, defaults=False)
+    assert "3 warm round(s)" in asked and "CPU defaults" not in asked
+    gpu = quick.what_ran(False, info, ["stock"], quick.GPU_ROUNDS, defaults=True)
+    assert gpu.startswith("Ran on the GPU") and "speed measurement" not in gpu
+    # the GPU defaults are the reference workloads and rounds of docs/benchmarks.md
+    assert quick.GPU_WORKLOADS == ["W0", "W1", "W2", "W3", "W4", "W5"] and quick.GPU_ROUNDS == 3
+    assert quick.CPU_WORKLOADS and all(w.startswith("T") for w in quick.CPU_WORKLOADS)
