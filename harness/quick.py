@@ -301,6 +301,8 @@ class Progress:
 
     def __init__(self, total: int):
         self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        # variants that did not run, per workload, with the reason: written beside the rows
+        self.not_run: list[dict] = []
         self.tty = sys.stderr.isatty()
 
     def step(self, what: str) -> None:
@@ -566,15 +568,11 @@ def run_workload(
     return rows
 
 
-# Variants that did not run, per workload, with the reason: written beside the rows.
-NOT_RUN: list[dict] = []
-
-
 def _not_run(wid: str, v: str, why: str, variants: list[str], prog) -> None:
     if v == "stock":
         raise RuntimeError(f"{wid}: stock ComfyUI did not run: {why}")
     variants.remove(v)
-    NOT_RUN.append({"workload": wid, "variant": v, "why": why[:600]})
+    prog.not_run.append({"workload": wid, "variant": v, "why": why[:600]})
     prog.note(f"{wid} {v} not run: {why[:300]}")
 
 
@@ -863,14 +861,14 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": a.rounds,
             "partial": True,
             "rows": [asdict(r) for r in rows],
-            "not_run": NOT_RUN,
+            "not_run": prog.not_run,
         }
         (out / f"quick-{stamp}.json").write_text(json.dumps(partial, indent=1))
     prog.close()
     text = ran + "\n\n" + table(rows, wl_info) + cold_table(rows, wl_info)
-    if NOT_RUN:
+    if prog.not_run:
         text += "\n\nNot run:\n" + "\n".join(
-            f"- {n['workload']} {n['variant']}: {n['why'][:300]}" for n in NOT_RUN
+            f"- {n['workload']} {n['variant']}: {n['why'][:300]}" for n in prog.not_run
         )
     payload = {
         "environment": env,
@@ -878,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": wl_info,
         "rounds": a.rounds,
         "rows": [asdict(r) for r in rows],
-        "not_run": NOT_RUN,
+        "not_run": prog.not_run,
     }
     (out / f"quick-{stamp}.json").write_text(json.dumps(payload, indent=1))
     (out / f"quick-{stamp}.md").write_text(f"Environment: {json.dumps(env)}\n\n{text}\n")
