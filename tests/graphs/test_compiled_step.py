@@ -1,0 +1,95 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Compiled mode's run setup (nodes/compiled_step.py) without ComfyUI: when it turns on, when it
+refuses and why, and what it does with ComfyUI's TorchCompileModel wrapper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.graphs.compiled import CompileOptions
+from comfyui_controlnet_accelerator.nodes import compiled_step as cs
+
+
+def _tcm_options() -> dict:
+    return {
+        "transformer_options": {"wrappers": {"apply_model": {cs.TORCH_COMPILE_KEY: [object()]}}},
+        cs.TORCH_COMPILE_KWARGS: {"backend": "inductor", "mode": "max-autotune", "dynamic": None},
+    }
+
+
+@pytest.fixture
+def allocator(monkeypatch):
+    def use(backend: str | None):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: backend is not None)
+        monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend)
+
+    return use
+
+
+def test_off_unless_asked(allocator):
+    allocator("native")
+    opts = {"transformer_options": {}}
+    assert cs.begin_run(None, opts, torch.nn.Linear(2, 2)) == (None, None)
+    assert cs.COMPILE_RUN_KEY not in opts["transformer_options"]
+
+
+def test_node_setting_puts_a_run_in_the_runs_options(allocator):
+    allocator("native")
+    model = torch.nn.Linear(2, 2)
+    opts = {"transformer_options": {}}
+    run, why = cs.begin_run(CompileOptions(), opts, model)
+    assert why is None and run is opts["transformer_options"][cs.COMPILE_RUN_KEY]
+    assert run.options == CompileOptions() and run.source == "node"
+    # the model's compiled networks are kept across runs; new settings start afresh
+    again, _ = cs.begin_run(CompileOptions(), {"transformer_options": {}}, model)
+    assert again.model is run.model
+    other, _ = cs.begin_run(
+        CompileOptions(mode="max-autotune-no-cudagraphs"), {"transformer_options": {}}, model
+    )
+    assert other.model is not run.model
+
+
+def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
+    allocator("native")
+    opts = _tcm_options()
+    run, why = cs.begin_run(None, opts, torch.nn.Linear(2, 2))
+    assert why is None and run.source == "TorchCompileModel"
+    assert run.options.mode == "max-autotune-no-cudagraphs"  # inductor's CUDA graphs stay off
+    assert cs.TORCH_COMPILE_KEY not in opts["transformer_options"]["wrappers"]["apply_model"]
+
+
+def test_cuda_malloc_async_refuses_with_the_fix_and_keeps_torch_compile_model(allocator):
+    allocator("cudaMallocAsync")
+    opts = _tcm_options()
+    run, why = cs.begin_run(CompileOptions(), opts, torch.nn.Linear(2, 2))
+    assert run is None and "--disable-cuda-malloc" in why
+    assert cs.COMPILE_RUN_KEY not in opts["transformer_options"]
+    # nothing of the user's setup is dropped when compiled mode cannot run
+    assert cs.TORCH_COMPILE_KEY in opts["transformer_options"]["wrappers"]["apply_model"]
+
+
+def test_backend_override_for_checking_a_machine(monkeypatch):
+    assert cs.options_for("off") is None
+    assert cs.options_for("inductor").backend == "inductor"
+    monkeypatch.setenv(cs.BACKEND_ENV, "aot_eager")
+    assert cs.options_for("inductor max-autotune").backend == "aot_eager"
+    monkeypatch.setenv(cs.BACKEND_ENV, "tensorrt")
+    with pytest.raises(ValueError, match="backend"):
+        cs.options_for("inductor")
+
+
+def test_compiled_net_forwards_attributes_and_calls():
+    net = torch.nn.Linear(3, 2)
+    calls = []
+
+    class FakeCompiled:
+        target = net
+
+        def __call__(self, *a, **k):
+            calls.append(a)
+            return net(*a, **k)
+
+    stand_in = cs.CompiledNet(FakeCompiled())
+    assert stand_in.weight is net.weight and stand_in.out_features == 2
+    x = torch.randn(1, 3)
+    assert torch.equal(stand_in(x), net(x)) and len(calls) == 1
