@@ -22,6 +22,13 @@ How it hooks in (ModelPatcher wrappers and the graph function; no ComfyUI file i
   (``graphs.compiled.options_from_torch_compile``), with one log line.
 - Anything that fails to compile runs eager inside the graph, with the reason logged once; the
   prompt never fails for it.
+- Under the cudaMallocAsync allocator (ComfyUI's default on most NVIDIA setups) compiled kernels
+  cannot be captured: the launcher of inductor's Triton kernels asks the driver about every
+  pointer it is handed, and memory that a capture allocates is not mapped until the graph runs,
+  so the capture fails with "CUDA driver error: invalid argument" (measured with torch 2.11), and
+  after a failed capture cudaMallocAsync cannot capture again in that process. So compiled mode
+  stays off there, says why once (start ComfyUI with ``--disable-cuda-malloc``), and the graphs
+  run the eager kernels, exactly as with compile off.
 
 State: a ``CompileRun`` per sampling run in ``transformer_options[COMPILE_RUN_KEY]`` (with
 ``reset()``/``clone()``), and per model a ``ModelCompile`` in ``_MODELS``, a cache with weak
@@ -183,13 +190,43 @@ class CompileRun:
             logger.debug("compiled mode: no progress bar: %s", e)
 
 
-def begin_run(options: CompileOptions | None, model_options: dict, model) -> CompileRun | None:
+def allocator_problem() -> str | None:
+    """Why compiled kernels cannot be captured in this process, or None."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        backend = torch.cuda.get_allocator_backend()
+    except Exception:
+        return None
+    if backend == "cudaMallocAsync":
+        return (
+            "compiled kernels cannot be captured under the cudaMallocAsync allocator "
+            "(inductor's kernel launcher checks each pointer, and memory allocated inside a "
+            "capture is not mapped yet); start ComfyUI with --disable-cuda-malloc to use "
+            "compiled mode. The graphs run the eager kernels."
+        )
+    return None
+
+
+def begin_run(
+    options: CompileOptions | None, model_options: dict, model
+) -> tuple[CompileRun | None, str | None]:
     """At a sampling run's start, on the run's own copy of the model options: put a
     ``CompileRun`` in its transformer_options when compiled mode is on, or when ComfyUI's
     TorchCompileModel patched the model (its wrapper is left out of the copy, its settings
-    used). Returns the run, or None (compiled mode off)."""
+    used). Returns ``(run, None)``, ``(None, None)`` when compiled mode is off, or
+    ``(None, reason)`` when it was asked for and cannot run here."""
     topts = model_options.setdefault("transformer_options", {})
     wrappers = (topts.get("wrappers") or {}).get("apply_model") or {}
+    asked = options is not None or TORCH_COMPILE_KEY in wrappers
+    if not asked or model is None:
+        return None, None
+    why = allocator_problem()
+    if why is not None:
+        _log_once(("allocator",), "CUDA Graph: compiled mode off: %s", why)
+        return None, why
     source = "node"
     if TORCH_COMPILE_KEY in wrappers:
         wrappers.pop(TORCH_COMPILE_KEY)  # the run's copy only (create_model_options_clone)
@@ -210,12 +247,10 @@ def begin_run(options: CompileOptions | None, model_options: dict, model) -> Com
                 "CUDA Graph: compiled mode is on, so TorchCompileModel's wrapper is not used "
                 "for this model; the node's compile setting applies",
             )
-    if options is None or model is None:
-        return None
     run = CompileRun(model_compile(model, options), source)
     run.model.cache.on_progress = run.on_progress
     topts[COMPILE_RUN_KEY] = run
-    return run
+    return run, None
 
 
 def run_of(transformer_options) -> CompileRun | None:

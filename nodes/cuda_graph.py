@@ -121,9 +121,11 @@ class CudaGraphPatch:
             torch.cuda.reset_peak_memory_stats()  # the badge's peak is this run's
         if self.options.enabled and self.options.channels_last:
             run.layout = LayoutSwap()
-        comp = None
+        comp = comp_off = None
         if self.options.enabled:
-            comp = compiled_step.begin_run(self.options.compile, guider.model_options, model)
+            comp, comp_off = compiled_step.begin_run(
+                self.options.compile, guider.model_options, model
+            )
         ok = False
         try:
             out = executor(*args, **kwargs)
@@ -134,13 +136,13 @@ class CudaGraphPatch:
             if layout is not None:
                 layout.restore()
             if ok and run.node_id is not None:
-                self._report(model, run, time.perf_counter() - t0, comp)
+                self._report(model, run, time.perf_counter() - t0, comp, comp_off)
             guider.model_options = orig_options
             run.reset()
             if comp is not None:
                 comp.reset()
 
-    def _report(self, model, run: GraphRun, wall_s: float, comp=None) -> None:
+    def _report(self, model, run: GraphRun, wall_s: float, comp=None, comp_off=None) -> None:
         """The run's figures to this node's badge (nodes/status.py)."""
         try:
             d = {k: run.counts[k] for k in ("captures", "replays", "eager")}
@@ -181,6 +183,9 @@ class CudaGraphPatch:
                 if cs["failed_signatures"]:
                     line += f" · {cs['failed_signatures']} eager (see log)"
                 lines.append(line)
+            elif comp_off is not None:
+                data["compiled"] = {"off": comp_off}
+                lines.append("compiled: off (" + status.short(comp_off, 60) + ")")
             unexpected = sorted(r for r in run.eager_reasons if r not in (FIRST_STEP, CACHE_FILL))
             if unexpected:
                 data["eager_reasons"] = unexpected
