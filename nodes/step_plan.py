@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import compat
 from .graph_deferral import ControlCall
 from .graph_state import GraphRun, ModelGraphState
 from .step_control import STEP_KEY, StepControl
@@ -75,6 +76,8 @@ class ModelPlan:
             self.reason = (
                 "model weights are only partly on the GPU (lowvram): they are streamed per step"
             )
+        elif (why := compat.capture_blocker(self.diffusion)) is not None:
+            self.reason = why  # DynamicVRAM: weights faulted in per layer, evictable
         else:
             self.deps = {id(self.diffusion): st.fingerprint(self.diffusion)}
 
@@ -95,6 +98,8 @@ class ChainPlan:
                 self.reason = "ControlNet not prepared for sampling (pre_run has not run)"
             elif cn.control_model is None or _lowvram(cn.control_model):
                 self.reason = "ControlNet weights are only partly on the GPU (lowvram)"
+            elif (why := compat.capture_blocker(cn.control_model)) is not None:
+                self.reason = why
             if self.reason is not None:
                 return
         # start/end: None for a net on at every step, else (sigma_start, sigma_end)
