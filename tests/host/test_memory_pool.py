@@ -222,13 +222,18 @@ def test_comfyui_is_told_the_pool_s_working_memory_before_loading(host, tiny_mod
             or [0]
         )
 
+    compat = sys.modules[host.pack_module_name].nodes.compat
     need_int8, models = asked[n_int8 - 1]
+    # DynamicVRAM (0.33 on an NVIDIA GPU): ComfyUI is told nothing more; it never unloads a
+    # dynamic model for another and evicts weight pages for any allocation that finds no room
+    dynamic = compat.is_dynamic(models[0])
+    assert dynamic == host.dynamic_vram
     graph_idle = 0  # no CUDA graph node in these workflows
     want = largest(models, wc._Int8Weight) + graph_idle
-    assert want > 0 and need_int8 - need_plain == pytest.approx(want, abs=1)
+    assert want > 0 and need_int8 - need_plain == pytest.approx(0 if dynamic else want, abs=1)
     need_stream, models = asked[-1]
     want = 2 * largest(models, wc._StreamedWeight)
-    assert want > 0 and need_stream - need_plain == pytest.approx(want, abs=1)
+    assert want > 0 and need_stream - need_plain == pytest.approx(0 if dynamic else want, abs=1)
     for m in models:  # ComfyUI's estimate is its own again
         assert "memory_required" not in vars(m.model)
     del mp
@@ -294,6 +299,7 @@ def test_streamed_controlnet_weights_give_the_stock_result_exactly(host, tiny_mo
         assert torch.equal(res.latent, stock.latent)
     # the ControlNet's large weights are not in VRAM, and ComfyUI is told the smaller size
     wc = sys.modules[host.pack_module_name].memory.weight_compress
+    compat = sys.modules[host.pack_module_name].nodes.compat
     seen = 0
     for lm in mm.current_loaded_models:
         p = lm.model
@@ -306,9 +312,23 @@ def test_streamed_controlnet_weights_give_the_stock_result_exactly(host, tiny_mo
             continue
         seen += 1
         moved = sum(o.original_bytes() - o.compressed_bytes() for o in objs)
-        assert p.model_size() == mm.module_size(p.model)  # what the loaded tree holds
+        # ComfyUI is told the unpatched network's size less what streaming keeps out of VRAM
+        root = p
+        while root.parent is not None and any(
+            isinstance(o, wc._StreamedWeight) for o in root.object_patches.values()
+        ):
+            root = root.parent
+        assert root is not p and p.model_size() == root.model_size() - moved
         assert p.model_size() < 0.1 * (p.model_size() + moved)
         assert all(o.host_weight.device.type == "cpu" for o in objs)
+        if compat.is_dynamic(p):
+            # DynamicVRAM sizes a network from its unloaded tree (parameters at the file's
+            # dtype, in RAM) and casts what it loads whole to the model's dtype, so the loaded
+            # tree's bytes are not the figure; what it put on the GPU outside its virtual range
+            # is the small layers and the biases, never the streamed weights
+            assert p.model.model_loaded_weight_memory < 0.1 * moved
+        else:
+            assert p.model_size() == mm.module_size(p.model)  # what the loaded tree holds
     assert seen >= 1
 
 
@@ -320,15 +340,26 @@ def test_a_model_loaded_on_the_gpu_is_unloaded_before_compressing(host, tiny_mod
     import comfy.model_management as mm
 
     mp = _mp(host)
+    compat = sys.modules[host.pack_module_name].nodes.compat
     model, cn = _loaded(tiny_models)
     mm.load_models_gpu([model])
     assert any(lm.model is model for lm in mm.current_loaded_models)
-    assert next(model.model.diffusion_model.parameters()).is_cuda
+
+    def on_gpu(module):
+        return [n for n, t in module.state_dict().items() if t.is_cuda]
+
+    # the legacy loader moves every weight; DynamicVRAM (0.33 on an NVIDIA GPU) moves the small
+    # layers and buffers it loads whole and faults the others in as they run
+    dm = model.model.diffusion_model
+    want = len(dm.state_dict()) if not compat.is_dynamic(model) else None
+    placed = on_gpu(dm)
+    assert placed and (want is None or len(placed) == want)
+    assert model.loaded_size() > 0
     m, _ = mp.apply_memory_pool(model, cn, mp.PoolOptions())
     assert not any(
         lm.model is not None and lm.model.model is model.model for lm in mm.current_loaded_models
     )
-    assert not next(model.model.diffusion_model.parameters()).is_cuda
+    assert not on_gpu(dm) and model.loaded_size() == 0
     assert any(isinstance(v, mp.wc._Int8Weight) for v in m.object_patches.values())
 
 
