@@ -666,6 +666,10 @@ def test_cuda_compiled_unet_captured_in_graph_replays_like_eager(dtype, own_cach
     module = _cuda_unet(dtype)
     cm = C.CompiledModule(module, "UNet", C.CompileOptions(cache_dir=own_cache))
     cache = GraphCache("compiled", backend="cuda")
+    # fp32 convolutions run in TF32 on the GPU by default (torch.backends.cudnn.allow_tf32), and
+    # eager and compiled code pick different algorithms and layouts for them: measured 4e-4
+    # relative on the H200, so 2e-3 there; PARITY_TOL otherwise.
+    tol = 2e-3 if dtype == torch.float32 and torch.backends.cudnn.allow_tf32 else None
 
     def step(x, t, context, c0, c1, strength):
         return cm(x, t, context, [c0, c1], strength)
@@ -682,7 +686,7 @@ def test_cuda_compiled_unet_captured_in_graph_replays_like_eager(dtype, own_cach
             inputs = flat(unet_inputs(seed=seed, device="cuda", dtype=dtype))
             got = cache.run("k", step, inputs)
             want = module(*inputs[:3], inputs[3:5], inputs[5])
-            p = C.check_parity(lambda *a, g=got: g, lambda *a, w=want: w, ())
+            p = C.check_parity(lambda *a, g=got: g, lambda *a, w=want: w, (), tol=tol)
             assert p.ok, (seed, p.reason)
     assert cache.captures == 1 and cache.lookup("k").replays == 3 and not cache.failed
     assert cm.compiles == 1 and cm.recompiles == 0 and not cm.failed
