@@ -60,6 +60,35 @@ def backend_name(device: torch.device | None = None) -> str:
     return "none"
 
 
+_STAGING_DEPTH = 4  # pinned buffers per host input: a replay waits only when the host is
+# this many replays ahead of the GPU
+
+
+def _copy_from_host(entry: GraphEntry, i: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a tensor in pageable host memory, without blocking the host.
+
+    A copy from pageable memory returns only when it is done, so the host would wait for all the
+    GPU work queued before it (the previous step). Staged through pinned buffers, the copy is
+    queued like a kernel; each buffer is written again only once its last copy out has run (an
+    event per buffer), and a ring of them keeps that wait off the normal path. Time spent
+    waiting anyway is added to ``entry.host_wait_s``."""
+    ring = entry.staging.get(i)
+    if ring is None or ring[0][0].shape != src.shape or ring[0][0].dtype != src.dtype:
+        ring = entry.staging[i] = [
+            (torch.empty_like(src, pin_memory=True), torch.cuda.Event())
+            for _ in range(_STAGING_DEPTH)
+        ]
+    buf, done = ring.pop(0)
+    ring.append((buf, done))
+    if not done.query():
+        t0 = time.perf_counter()
+        done.synchronize()
+        entry.host_wait_s += time.perf_counter() - t0
+    buf.copy_(src)
+    dst.copy_(buf, non_blocking=True)
+    done.record()
+
+
 @dataclass
 class GraphEntry:
     """One captured signature: static inputs, the graph, its static output."""
@@ -72,6 +101,10 @@ class GraphEntry:
     replays: int = 0
     # Caller-owned extras captured by address (e.g. per-ControlNet hint and strength buffers).
     extras: dict = field(default_factory=dict)
+    # input index -> (pinned host buffer, event after its last copy out): inputs that arrive in
+    # pageable host memory go through these, so a replay does not block the host
+    staging: dict = field(default_factory=dict)
+    host_wait_s: float = 0.0  # host time spent waiting for a staging buffer to come free
 
 
 class GraphCache:
@@ -141,8 +174,12 @@ class GraphCache:
         ``fn`` matters only to the emulate backend, which calls it (default: the captured
         function) on the static buffers where a real replay would run the recorded kernels.
         """
-        for dst, src in zip(entry.static_inputs, inputs, strict=True):
-            if dst is not src:
+        for i, (dst, src) in enumerate(zip(entry.static_inputs, inputs, strict=True)):
+            if dst is src:
+                continue
+            if self.backend == "cuda" and dst.is_cuda and src.device.type == "cpu":
+                _copy_from_host(entry, i, dst, src)
+            else:
                 dst.copy_(src)
         if self.backend == "cuda":
             entry.graph.replay()
