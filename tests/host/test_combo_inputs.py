@@ -38,8 +38,9 @@ NODES = {
         "CNA_KSamplerCUDAGraph",
         "KSampler (CUDA Graph)",
         _graph_sampler,
-        ["sampler_name", "scheduler"],
+        ["sampler_name", "scheduler", "compile"],
     ),
+    "cuda_graph": ("CNA_CUDAGraph", "CUDA Graph", VARIANTS["cuda_graph"], ["compile"]),
     "memory_pool": (
         "CNA_ControlNetMemoryPool",
         "ControlNet Memory Pool",
