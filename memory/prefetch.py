@@ -30,6 +30,7 @@ synchronously (tests can turn lanes on for the CPU: ``lanes_on_cpu``).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 import weakref
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ import torch
 from ..logger import logger
 
 ENABLED = True  # off: every layer gets its weight where it runs (tests, debugging)
-STATS = {"prepared": 0, "used": 0, "wasted": 0, "direct": 0}
+COUNTS = ("prepared", "used", "wasted", "direct")
+# The counters of the ``counting()`` blocks the current code runs in (innermost last).
+_COUNTING: contextvars.ContextVar[tuple] = contextvars.ContextVar("cna_prefetch", default=())
 _cpu_lanes = False
 _lock = threading.Lock()
 _LANES: dict[tuple, Lane] = {}
@@ -127,7 +130,22 @@ class Lane:
 
 
 def _count(what: str) -> None:
-    STATS[what] += 1
+    for counts in _COUNTING.get():
+        counts[what] += 1
+
+
+@contextlib.contextmanager
+def counting():
+    """Count what the lanes do inside the block: weights ``prepared`` ahead, ``used``,
+    ``wasted`` (prepared for a layer that did not come next) and fetched ``direct``ly. Yields
+    the counts (a dict); blocks nest, each counting what runs inside it (the Memory Pool counts
+    each sampling run this way)."""
+    counts = dict.fromkeys(COUNTS, 0)
+    token = _COUNTING.set((*_COUNTING.get(), counts))
+    try:
+        yield counts
+    finally:
+        _COUNTING.reset(token)
 
 
 def weight(layer, x: torch.Tensor) -> torch.Tensor:

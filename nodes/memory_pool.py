@@ -31,8 +31,8 @@ What it does to a workflow's models, through ComfyUI's own extension points only
   checkpoint whole to the GPU, reserves nothing for the pool (``working_memory_to_reserve``),
   and the network's shared virtual VRAM range is made at the full network's size before a
   smaller pooled clone could make it (``compat.size_dynamic_range``).
-- **Report.** Peak allocated and reserved VRAM of each sampling run, logged and kept in
-  ``LAST_RUN`` for the front end.
+- **Report.** Peak allocated and reserved VRAM of each sampling run, logged and shown on the
+  node's badge with the run's prefetch figures (``prefetch.counting``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ WRAPPER_KEY = "cna_memory_pool"
 NODE = "ControlNet Memory Pool"
 MiB = 1024 * 1024
 
-LAST_RUN: dict = {}  # figures of the last sampling run, for the front end
 _lock = threading.Lock()
 # original module -> (weight key, compressed module); dropped with the module
 _COMPRESSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -377,31 +376,35 @@ class MemoryPoolPatch:
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
         ok = False
-        before = dict(prefetch.STATS)
+        counts: dict = {}
         try:
-            out = executor(*args, **kwargs)
-            ok = True
+            with prefetch.counting() as counts:  # this run's prefetch figures, for the badge
+                try:
+                    out = executor(*args, **kwargs)
+                    ok = True
+                finally:
+                    prefetch.end_pass()
             return out
         finally:
-            prefetch.end_pass()
-            self._prefetch = {k: prefetch.STATS[k] - before[k] for k in before}
-            if cuda:
-                self._graph_idle = graph_pool_idle_bytes(dev)
-                fig = {
-                    "peak_allocated_mib": torch.cuda.max_memory_allocated(dev) / MiB,
-                    "peak_reserved_mib": torch.cuda.max_memory_reserved(dev) / MiB,
-                    "completed": ok,
-                }
-                with _lock:
-                    LAST_RUN.clear()
-                    LAST_RUN.update(fig)
-                logger.info(
-                    "Memory Pool: sampling peak VRAM %.0f MiB allocated, %.0f MiB reserved",
-                    fig["peak_allocated_mib"],
-                    fig["peak_reserved_mib"],
-                )
-            if ok:
-                self._report(fig if cuda else {"completed": ok})
+            self._finish(counts, ok, cuda, dev)
+
+    def _finish(self, counts: dict, ok: bool, cuda: bool, dev) -> None:
+        """After a sampling run however it ended: the figures, the log line, the badge."""
+        self._prefetch = dict(counts)
+        if cuda:
+            self._graph_idle = graph_pool_idle_bytes(dev)
+            fig = {
+                "peak_allocated_mib": torch.cuda.max_memory_allocated(dev) / MiB,
+                "peak_reserved_mib": torch.cuda.max_memory_reserved(dev) / MiB,
+                "completed": ok,
+            }
+            logger.info(
+                "Memory Pool: sampling peak VRAM %.0f MiB allocated, %.0f MiB reserved",
+                fig["peak_allocated_mib"],
+                fig["peak_reserved_mib"],
+            )
+        if ok:
+            self._report(fig if cuda else {"completed": ok})
 
     def _report(self, fig: dict) -> None:
         shared = []

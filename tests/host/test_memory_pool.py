@@ -287,13 +287,11 @@ def test_streamed_controlnet_weights_give_the_stock_result_exactly(host, tiny_mo
     pf = sys.modules[host.pack_module_name].memory.prefetch
     r = runner.Runner()
     stock = _run(r, T2, None)
-    before = dict(pf.STATS)
-    with pf.lanes_on_cpu() if host.cpu else contextlib.nullcontext():
+    with pf.counting() as got, pf.lanes_on_cpu() if host.cpu else contextlib.nullcontext():
         eager = _run(r, T2, "pool_cn_stream")
         graph = _run(r, T2, "pool_cn_stream+graph")
         again = _run(r, T2, "pool_cn_stream+graph")
         everything = _run(r, T2, "pool_stream_all")  # the UNet streamed too
-    got = {k: pf.STATS[k] - before[k] for k in before}
     assert got["used"] > got["wasted"] >= 0, got
     for res in (eager, graph, again, everything):
         assert torch.equal(res.latent, stock.latent)

@@ -38,15 +38,11 @@ class Net(torch.nn.Module):
         return x
 
 
-def _stats_since(before):
-    return {k: prefetch.STATS[k] - before[k] for k in before}
-
-
 def _run(net, x, skip=False):
-    before = dict(prefetch.STATS)
-    y = net(x, skip)
-    prefetch.end_pass()
-    return y, _stats_since(before)
+    with prefetch.counting() as counts:
+        y = net(x, skip)
+        prefetch.end_pass()
+    return y, counts
 
 
 def test_cpu_lanes_learn_the_order_and_give_the_same_result():
@@ -79,9 +75,9 @@ def test_nothing_is_prepared_across_the_end_of_a_pass():
         net(x)  # no end_pass between: the last layer learned that the first follows it ...
         lane = next(iter(prefetch._LANES.values()))
         assert lane.pending is not None and lane.pending.layer() is net.layers[0]
-        before = dict(prefetch.STATS)
-        prefetch.end_pass()  # ... which is joined and dropped here, and forgotten
-        assert _stats_since(before)["wasted"] == 1
+        with prefetch.counting() as counts:
+            prefetch.end_pass()  # ... which is joined and dropped here, and forgotten
+        assert counts["wasted"] == 1
         assert lane.pending is None and lane.prev is None
         y, s = _run(net, x)
         assert s == {"prepared": 3, "used": 3, "wasted": 0, "direct": 1}
@@ -96,12 +92,11 @@ def test_a_weight_that_needs_a_cast_is_not_prepared_ahead():
     x = torch.randn(2, 96, dtype=torch.bfloat16)
     with prefetch.lanes_on_cpu():
         for _ in range(3):  # fp32 weights in RAM, bf16 input: copied and cast where used
-            before = dict(prefetch.STATS)
-            y = x
-            for m in streamed:
-                y = m(y)
-            prefetch.end_pass()
-            s = _stats_since(before)
+            with prefetch.counting() as s:
+                y = x
+                for m in streamed:
+                    y = m(y)
+                prefetch.end_pass()
             assert s["prepared"] == 0 and s["direct"] == 4
     ref = x
     for m in streamed:
@@ -157,11 +152,10 @@ def test_prepared_weights_inside_a_cuda_graph_replay_to_the_eager_result():
         prefetch.end_pass()
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
-    before = dict(prefetch.STATS)
-    with torch.cuda.graph(g, stream=side):
+    with prefetch.counting() as counts, torch.cuda.graph(g, stream=side):
         out = net(x)
         prefetch.end_pass()  # every forked stream joined before the capture ends
-    assert _stats_since(before)["used"] == 3  # the graph holds the side-stream copies
+    assert counts["used"] == 3  # the graph holds the side-stream copies
     for _ in range(3):
         out.zero_()
         g.replay()
