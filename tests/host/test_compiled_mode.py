@@ -20,12 +20,27 @@ import logging
 import sys
 
 import pytest
+import torch
 from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import _chain, _insert_model_node
 
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 MIN_PSNR = 45.0
+
+
+def _async_allocator(host) -> bool:
+    return not host.cpu and torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+
+
+@pytest.fixture
+def native(host):
+    if _async_allocator(host):
+        pytest.skip(
+            "compiled mode needs PyTorch's native allocator on a GPU; under cudaMallocAsync "
+            "test_cuda_malloc_async_keeps_the_eager_graphs_and_says_why runs instead"
+        )
+    return host
 
 
 @pytest.fixture(autouse=True)
@@ -63,7 +78,7 @@ def _badge(host, p, class_type="CNA_CUDAGraph") -> dict:
     return _status(host).LAST[node]["data"]
 
 
-def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, tiny_models):
+def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, native, tiny_models):
     """One ControlNet, 6 steps: the compiled graph path matches stock; the first run compiles
     the UNet and the ControlNet once each, and a second run with another strength and seed
     compiles nothing and still matches stock."""
@@ -88,7 +103,7 @@ def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, tiny_mode
     assert runner.psnr(got.latent, got2.latent) < 30
 
 
-def test_compiled_and_eager_graphs_of_one_model_do_not_share_graphs(host, tiny_models):
+def test_compiled_and_eager_graphs_of_one_model_do_not_share_graphs(host, native, tiny_models):
     """The same model through an eager and a compiled CUDA Graph node: each captures its own
     graph (the compiled one never replays eager kernels, nor the other way round)."""
     r = runner.Runner()
@@ -98,7 +113,7 @@ def test_compiled_and_eager_graphs_of_one_model_do_not_share_graphs(host, tiny_m
     assert _badge(host, p)["captures"] == 1
 
 
-def test_model_from_torch_compile_model_is_captured_not_refused(host, tiny_models, caplog):
+def test_model_from_torch_compile_model_is_captured_not_refused(host, native, tiny_models, caplog):
     """ComfyUI's TorchCompileModel before the CUDA Graph node: its compile runs inside the
     graphs (its wrapper is not used for the run) instead of making every step eager."""
     r = runner.Runner()
@@ -115,7 +130,7 @@ def test_model_from_torch_compile_model_is_captured_not_refused(host, tiny_model
     assert any("TorchCompileModel" in rec.getMessage() for rec in caplog.records)
 
 
-def test_ksampler_cuda_graph_compiled_matches_ksampler(host, tiny_models):
+def test_ksampler_cuda_graph_compiled_matches_ksampler(host, native, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T2"].with_(steps=5)
     stock, _ = _run(r, wl, 13)
@@ -138,3 +153,19 @@ def test_unknown_compile_choice_is_refused_with_the_nodes_message(host, tiny_mod
         _run(r, wl, 1, _graph(compile="tensorrt"))
     msg = str(e.value)
     assert "compile" in msg and "tensorrt" in msg and "inductor" in msg, msg
+
+
+def test_cuda_malloc_async_keeps_the_eager_graphs_and_says_why(host, tiny_models):
+    """Under cudaMallocAsync (ComfyUI's default) compiled kernels cannot be captured, and a
+    failed capture would stop all capturing in the process: compiled mode stays off, the
+    badge says why, and the graphs replay the eager kernels, matching stock."""
+    if not _async_allocator(host):
+        pytest.skip("runs on a GPU under cudaMallocAsync (ComfyUI's default allocator)")
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=5)
+    stock, _ = _run(r, wl, 6)
+    got, p = _run(r, wl, 6, _graph(compile="inductor"))
+    assert runner.psnr(stock.latent, got.latent) >= 60.0
+    data = _badge(host, p)
+    assert "--disable-cuda-malloc" in data["compiled"]["off"], data
+    assert data["captures"] >= 1 and data["replays"] >= 3, data
