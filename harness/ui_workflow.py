@@ -168,6 +168,11 @@ def ui_to_api(ui: dict) -> dict:
                 inputs[name] = [str(lk[1]), lk[2]]
             elif typ in WIDGET_TYPES and name not in linked:
                 if not values:
+                    # A widget the node gained after the graph was saved: the front end gives
+                    # it its default (an old workflow keeps loading).
+                    if "default" in opts:
+                        inputs[name] = opts["default"]
+                        continue
                     raise ValueError(f"node {node['id']} ({ct}): no widget value for {name!r}")
                 inputs[name] = values.pop(0)
                 if opts.get("control_after_generate") or opts.get("image_upload"):

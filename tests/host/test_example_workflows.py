@@ -104,3 +104,16 @@ def test_example_runs_on_tiny_models(host, tiny_models, path, monkeypatch):
         got = status.LAST.get(str(nid))
         assert got is not None, f"{ct} (node {nid}) sent no badge"
         assert got["lines"] and any(ch.isdigit() for ch in " ".join(got["lines"])), got
+
+
+def test_a_workflow_saved_before_a_widget_existed_gets_its_default(host):
+    """A graph saved before the CUDA Graph node had its ``compile`` widget loads as the front end
+    loads it: the missing trailing widget takes its default."""
+    path = next(p for p in FILES if p.stem == "controlnet_sd15_cuda_graph")
+    ui = json.loads(path.read_text())
+    node = next(n for n in ui["nodes"] if n["type"] == "CNA_CUDAGraph")
+    assert node["widgets_values"][-1] == "off"
+    node["widgets_values"] = node["widgets_values"][:-1]
+    api = ui_workflow.ui_to_api(ui)
+    assert api[str(node["id"])]["inputs"]["compile"] == "off"
+    assert api[str(node["id"])]["inputs"]["max_graphs"] == node["widgets_values"][1]
