@@ -4,9 +4,8 @@ sampling run (``GraphRun``: counters, timing and plans of one run, EasyCache-sty
 
 ``ModelGraphState`` lives in ``_STATES``, a cache keyed by the model object with weak keys: it
 is bounded by the models alive, each holds at most ``max_graphs`` graphs, and it goes with its
-model. Each state counts what happened to its model's graphs (``stats``); ``totals()`` sums the
-live states' counters (logs, tools). A run's own figures are in its ``GraphRun``, which the node's
-badge reports.
+model. Each state counts what happened to its model's graphs (``stats``, also in
+``graph_stats()``). A run's own figures are in its ``GraphRun``, which the node's badge reports.
 """
 
 from __future__ import annotations
@@ -116,16 +115,6 @@ def graph_stats() -> list[dict]:
                 **st.stats,
             }
         )
-    return out
-
-
-def totals() -> dict[str, int]:
-    """Every live model's counters added up (a model's go with it: for figures of one run, read
-    its badge, ``status.LAST[node_id]["data"]``, or one model's ``existing_state(m).stats``)."""
-    out = dict.fromkeys(COUNTERS, 0)
-    for st in list(_STATES.values()):
-        for k in COUNTERS:
-            out[k] += st.stats.get(k, 0)
     return out
 
 
