@@ -21,6 +21,7 @@ How the files are made
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -33,7 +34,7 @@ import torch
 
 from .comfy_host import default_models_dir
 
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"  # 2: layouts read with every layer's parameters built (see _built_weights)
 CONTROL_GAIN = 0.5
 RESIDUAL_OUT_GAIN = 0.5
 UNET_OUT_GAIN = 0.5
@@ -152,6 +153,31 @@ SPECS: dict[str, ModelSpec] = {
 # Building the layouts (needs ComfyUI importable: call comfy_host.bootstrap() first)
 
 
+def _built_weights(read_layout):
+    """Decorates a layout reader: while it builds its module tree, ComfyUI's layers build their
+    parameters. Under DynamicVRAM (ComfyUI 0.33's default on NVIDIA GPUs) its linear and conv
+    layers leave ``weight`` and ``bias`` unset until a state dict is loaded, so a tree built
+    then lists no parameters for them and a file written from it lacks their keys. Reading a
+    layout never loads a model, so the switch is off for the construction and restored after."""
+
+    @functools.wraps(read_layout)
+    def read(*args, **kwargs):
+        try:
+            import comfy.memory_management as mm
+        except ImportError:  # a ComfyUI without DynamicVRAM
+            return read_layout(*args, **kwargs)
+        was = getattr(mm, "aimdo_enabled", False)
+        if not was:
+            return read_layout(*args, **kwargs)
+        mm.aimdo_enabled = False
+        try:
+            return read_layout(*args, **kwargs)
+        finally:
+            mm.aimdo_enabled = was
+
+    return read
+
+
 def _model_config(arch: str):
     import comfy.model_detection
 
@@ -178,6 +204,7 @@ def _meta_shapes(module: torch.nn.Module, prefix: str = "") -> dict[str, tuple[t
     return out
 
 
+@_built_weights
 def _unet_layout(arch: str) -> dict:
     import comfy.ops
     from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
@@ -188,6 +215,7 @@ def _unet_layout(arch: str) -> dict:
     return _meta_shapes(unet)
 
 
+@_built_weights
 def _controlnet_layout(arch: str) -> dict:
     import comfy.cldm.cldm
     import comfy.ops
@@ -202,6 +230,7 @@ def _controlnet_layout(arch: str) -> dict:
     return _meta_shapes(cn)
 
 
+@_built_weights
 def _clip_layout(arch: str) -> dict:
     mc = _model_config(arch)
     target = mc.clip_target()
@@ -219,6 +248,7 @@ def _clip_layout(arch: str) -> dict:
     return shapes
 
 
+@_built_weights
 def _vae_layout() -> dict:
     import comfy.ldm.models.autoencoder as ae
 

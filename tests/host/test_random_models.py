@@ -46,6 +46,23 @@ def test_controlnet_layout_is_detected(host, arch):
     assert cfg.get("adm_in_channels") == rm.ARCH_UNETS[arch]["adm_in_channels"]
 
 
+@pytest.mark.parametrize("name", ["sdxl", "sdxl-cn-a"])
+def test_layout_is_whole_with_dynamic_vram_on(host, monkeypatch, name):
+    """Under DynamicVRAM (0.33's default on NVIDIA GPUs) ComfyUI's layers leave their weights
+    unset until loaded: the layout is still every key and shape, and the switch is restored."""
+    mm = pytest.importorskip("comfy.memory_management", reason="this ComfyUI has no DynamicVRAM")
+    if not hasattr(mm, "aimdo_enabled"):
+        pytest.skip("this ComfyUI has no DynamicVRAM")
+    spec = rm.SPECS[name]
+    want = {k: tuple(v.shape) for k, v in rm.build_state_dict(spec, meta=True).items()}
+    want_params = rm.count_params(spec)
+    monkeypatch.setattr(mm, "aimdo_enabled", True)
+    got = {k: tuple(v.shape) for k, v in rm.build_state_dict(spec, meta=True).items()}
+    assert mm.aimdo_enabled is True
+    assert got == want
+    assert rm.count_params(spec) == want_params
+
+
 def test_files_are_cached_and_reused(host, tiny_models):
     path = tiny_models["sd15-tiny-cn-a"]
     mtime = path.stat().st_mtime_ns
