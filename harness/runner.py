@@ -24,7 +24,7 @@ class WorkflowFailed(RuntimeError):
 class RunResult:
     latent: torch.Tensor  # the KSampler's output latent, float32 on the CPU
     image: torch.Tensor | None  # the decoded IMAGE (B, H, W, C) when the workflow decodes
-    step_ms: list[float]  # one interval per step after the first
+    step_ms: list[float]  # one time per step after the first (see _per_step)
     wall_s: float  # the whole prompt's execution, host clock
     resident_bytes: int | None = None  # allocated when the prompt started (weights kept loaded)
     peak_allocated: int | None = None
@@ -32,6 +32,19 @@ class RunResult:
     gpu_busy_ms: float | None = None  # union of kernel intervals over the whole prompt
     kernels: int | None = None  # kernel launches over the whole prompt
     extra: dict = field(default_factory=dict)
+
+
+def _per_step(marks: list[tuple], ms_between) -> list[float]:
+    """Per-step times from the progress hook's (step value, mark) pairs. ComfyUI 0.3.64 calls
+    the hook at every step; newer releases throttle it (the first and last step always, others
+    at most every so many milliseconds), so an interval may span several steps: it counts as
+    that many steps of its mean length."""
+    out: list[float] = []
+    for (v0, a), (v1, b) in zip(marks, marks[1:], strict=False):
+        n = v1 - v0
+        if n > 0:
+            out.extend([ms_between(a, b) / n] * n)
+    return out
 
 
 class Runner:
@@ -46,7 +59,8 @@ class Runner:
         self.cuda = torch.cuda.is_available() and not _comfy_cpu()
 
     def run(self, prompt: dict, ids: dict, *, profile: bool = False, on_step=None) -> RunResult:
-        """Execute ``prompt``; ``on_step(i)`` is called at the sampler's step i (1-based)."""
+        """Execute ``prompt``; ``on_step(i)`` is called with the sampler's step i (1-based) each
+        time ComfyUI reports progress (every step on 0.3.64; throttled on newer releases)."""
         import asyncio
 
         import comfy.model_management
@@ -72,11 +86,11 @@ class Runner:
             if self.cuda:
                 ev = torch.cuda.Event(enable_timing=True)
                 ev.record()
-                marks.append(ev)
+                marks.append((value, ev))
             else:
-                marks.append(time.perf_counter())
+                marks.append((value, time.perf_counter()))
             if on_step is not None:
-                on_step(len(marks))
+                on_step(value)
             # As ComfyUI's server hook does (main.py): an interrupt lands at the next step, not
             # only at the next node.
             comfy.model_management.throw_exception_if_processing_interrupted()
@@ -115,9 +129,9 @@ class Runner:
             pre = [x for x in sampling_peaks if x[0] == "pre"]
             peak_a = max([torch.cuda.max_memory_allocated()] + [x[1] for x in pre])
             peak_r = max([torch.cuda.max_memory_reserved()] + [x[2] for x in pre])
-            step_ms = [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
+            step_ms = _per_step(marks, lambda a, b: a.elapsed_time(b))
         else:
-            step_ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+            step_ms = _per_step(marks, lambda a, b: (b - a) * 1e3)
 
         latent = self.output_of(ids["sampler"])[0]["samples"].float().cpu()
         image = None

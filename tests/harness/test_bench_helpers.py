@@ -116,3 +116,16 @@ def test_peak_breakdown_after_a_marker_counts_earlier_blocks_but_not_earlier_pea
     assert peak_breakdown({"device_traces": [trace]})[0] == 80
     peak, rows = peak_breakdown({"device_traces": [trace]}, start_marker="traced_sample")
     assert peak == 41 and sum(r[0] for r in rows) == 41
+
+
+def test_per_step_times_split_a_throttled_progress_interval_over_its_steps():
+    """Newer ComfyUI reports progress at the first and last step and at most every so often in
+    between: an interval over 3 steps counts as 3 steps of a third of it each."""
+    from comfyui_controlnet_accelerator.harness.runner import _per_step
+
+    marks = [(1, 0.0), (2, 0.010), (5, 0.040), (5, 0.041), (20, 0.190)]
+    got = _per_step(marks, lambda a, b: (b - a) * 1e3)
+    assert len(got) == 19  # steps 2..20, the repeated report of step 5 adds none
+    assert got[0] == pytest.approx(10.0)
+    assert got[1:4] == pytest.approx([10.0] * 3)
+    assert got[4:] == pytest.approx([149.0 / 15] * 15)
