@@ -42,6 +42,30 @@ def test_replay_reads_fresh_inputs_every_time(backend):
     assert cache.captures == 1 and cache.lookup("k").replays == 3
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+def test_host_input_equal_to_the_last_one_is_not_copied_again():
+    """A CPU input (ComfyUI's text conditioning) is staged through pinned buffers; a new tensor
+    with the same values is not copied again (the host would wait on the GPU for nothing), and
+    a changed one is, for every replay after it."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(16, 16, device="cuda", generator=g)
+    fn = _fn(w)
+    cache = GraphCache("t", backend="cuda")
+    x = torch.randn(8, 16, device="cuda", generator=g)
+    y0 = torch.randn(3)
+    cache.run("k", fn, [x, y0.clone()], device=torch.device("cuda"))  # capture
+    entry = cache.lookup("k")
+    outs = []
+    for y in (y0.clone(), y0.clone(), y0 + 1, (y0 + 1).clone(), y0.clone()):
+        outs.append((cache.run("k", fn, [x, y]), fn(x, y.cuda())))
+    for got, want in outs:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # copied: the first replay (a new ring), y0 + 1 and the return to y0; skipped: the other two
+    assert entry.host_copies_skipped == 2
+    assert not torch.equal(outs[1][0], outs[2][0])
+
+
 def test_returned_output_is_not_overwritten_by_the_next_replay():
     cache = GraphCache("t", backend="emulate")
     fn = _fn(torch.eye(4))
