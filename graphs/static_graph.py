@@ -134,6 +134,9 @@ class GraphCache:
         self.async_allocator = backend == "cuda" and _async_allocator()
         self.captures = 0
         self.total_capture_s = 0.0
+        # Host seconds inside the driver's graph launch, summed over replays: the launch returns
+        # only once the GPU has taken up the previous one, so it is time spent waiting.
+        self.launch_s = 0.0
         # Bumped whenever a graph is dropped: a caller holding an entry from an earlier lookup
         # may keep using it while the version is unchanged (no lookup, no key hash).
         self.version = 0
@@ -193,7 +196,9 @@ class GraphCache:
             else:
                 dst.copy_(src)
         if self.backend == "cuda":
+            t0 = time.perf_counter()
             entry.graph.replay()
+            self.launch_s += time.perf_counter() - t0
         else:
             if fn is None:
                 raise ValueError("the emulate backend replays by calling fn: pass it")

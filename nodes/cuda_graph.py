@@ -164,8 +164,10 @@ class CudaGraphPatch:
                 )
             if steps:
                 data["ms_per_step"] = 1e3 * wall_s / steps
-                # CPU time in the pack's wrapper bodies (ComfyUI's model calls excluded)
+                # CPU time in the pack's wrapper bodies (ComfyUI's model calls and the time
+                # blocked in the graph launch excluded; the latter is launch_ms_per_step)
                 data["host_ms_per_step"] = run.host_ms_per_step(steps)
+                data["launch_ms_per_step"] = run.launch_ms_per_step(steps)
                 line = f"{data['ms_per_step']:.1f} ms/step"
                 if per.get("replay") and per.get("eager"):
                     data["replay_ms"] = sum(per["replay"]) / len(per["replay"])
@@ -227,7 +229,7 @@ class CudaGraphPatch:
         if transformer_options is None:
             transformer_options = {}
         run = self._run_of(transformer_options)
-        model_s = run.model_s
+        model_s, launch_s = run.model_s, run.launch_s
         args = (executor, x, t, c_concat, c_crossattn, control, transformer_options, kwargs)
         try:
             if run.timing is not None and x.is_cuda:
@@ -235,7 +237,8 @@ class CudaGraphPatch:
             return self._apply_model(run, *args)
         finally:
             run.calls += 1
-            run.host_s += time.perf_counter() - t0 - (run.model_s - model_s)
+            waited = (run.model_s - model_s) + (run.launch_s - launch_s)
+            run.host_s += time.perf_counter() - t0 - waited
 
     def _apply_model_timed(self, run: GraphRun, *args):
         """One pair of CUDA events per call, read at the run's end (the badge's speed-up)."""
@@ -329,7 +332,9 @@ class CudaGraphPatch:
             fn = None  # a real replay runs no Python; the emulated one calls the function
             if cache.backend != "cuda":
                 fn = self._graph_fn(run, st, plan, executor, call, topts, kwargs, entry.extras)
+            launch_s = cache.launch_s
             out = cache.replay(entry, plan.inputs, fn)
+            run.launch_s += cache.launch_s - launch_s
             plan.entry, plan.version, plan.inputs = entry, cache.version, []
             run.last = plan
             return out

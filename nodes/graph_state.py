@@ -161,6 +161,9 @@ class GraphRun:
         self.layout = None  # channels-last weights of this run (channels_last.LayoutSwap)
         self.host_s = 0.0  # seconds in the pack's wrapper bodies, ComfyUI's model excluded
         self.model_s = 0.0  # seconds inside ComfyUI's model calls made from those bodies
+        # seconds inside the graph launch call: the driver returns only once the GPU has taken
+        # up the previous step's launch, so this is waiting for the GPU, not the pack's work
+        self.launch_s = 0.0
         self.calls = 0  # APPLY_MODEL calls
         self.evaluations = 0  # CALC_COND_BATCH calls (model evaluations)
         self.callbacks = 0  # the sampler's progress callbacks seen
@@ -196,3 +199,6 @@ class GraphRun:
 
     def host_ms_per_step(self, steps: int) -> float:
         return 1e3 * self.host_s / max(1, steps)
+
+    def launch_ms_per_step(self, steps: int) -> float:
+        return 1e3 * self.launch_s / max(1, steps)

@@ -139,6 +139,7 @@ def test_graph_variants_are_recognised():
 def test_table_shows_host_time_per_step_for_graph_variants_only():
     graph = _row(1.0, [1.1, 1.2])
     graph.host_ms_step = 0.4321
+    graph.launch_ms_step = 9.876
     stock = _row(1.0, [1.1, 1.2])
     stock.variant = "stock"
     lines = quick.table([stock, graph], {"T1": "tiny"}).splitlines()
@@ -147,6 +148,9 @@ def test_table_shows_host_time_per_step_for_graph_variants_only():
     assert lines[1].count("---") == len(cols)
     assert [c.strip() for c in lines[2].strip("|").split("|")][at] == "—"
     assert [c.strip() for c in lines[3].strip("|").split("|")][at] == "0.432"
+    at = cols.index("launch wait ms/step")
+    assert [c.strip() for c in lines[2].strip("|").split("|")][at] == "—"
+    assert [c.strip() for c in lines[3].strip("|").split("|")][at] == "9.88"
 
 
 def test_compiled_graph_variants_exist_but_are_not_run_by_default():

@@ -496,3 +496,4 @@ def test_badge_reports_host_time_and_the_plan_is_rebuilt_only_for_a_new_signatur
     assert (d["captures"], d["replays"], d["eager"]) == (1, 6, 1), d
     assert data["plans_built"] == 1, data
     assert 0 < data["host_ms_per_step"] < data["ms_per_step"], data
+    assert 0 <= data["launch_ms_per_step"] < data["ms_per_step"], data
