@@ -168,6 +168,8 @@ class CudaGraphPatch:
                 # blocked in the graph launch excluded; the latter is launch_ms_per_step)
                 data["host_ms_per_step"] = run.host_ms_per_step(steps)
                 data["launch_ms_per_step"] = run.launch_ms_per_step(steps)
+                if run.replay_calls:  # the same, in the calls that replayed a graph only
+                    data["host_ms_per_replay"] = run.host_ms_per_replay()
                 line = f"{data['ms_per_step']:.1f} ms/step"
                 if per.get("replay") and per.get("eager"):
                     data["replay_ms"] = sum(per["replay"]) / len(per["replay"])
@@ -210,7 +212,9 @@ class CudaGraphPatch:
         run = self._run_of(model_options.get("transformer_options"))
         run.evaluations += 1
         new_conds = defer_controls(conds)
-        run.host_s += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        run.host_s += dt
+        run.pending_host_s += dt  # counted with the model call it prepares
         return executor(model, new_conds, x_in, timestep, model_options, *args, **kwargs)
 
     # APPLY_MODEL: ControlNet(s) + UNet, captured or eager
@@ -229,7 +233,7 @@ class CudaGraphPatch:
         if transformer_options is None:
             transformer_options = {}
         run = self._run_of(transformer_options)
-        model_s, launch_s = run.model_s, run.launch_s
+        model_s, launch_s, replays = run.model_s, run.launch_s, run.counts["replays"]
         args = (executor, x, t, c_concat, c_crossattn, control, transformer_options, kwargs)
         try:
             if run.timing is not None and x.is_cuda:
@@ -238,7 +242,12 @@ class CudaGraphPatch:
         finally:
             run.calls += 1
             waited = (run.model_s - model_s) + (run.launch_s - launch_s)
-            run.host_s += time.perf_counter() - t0 - waited
+            dt = time.perf_counter() - t0 - waited
+            run.host_s += dt
+            if run.counts["replays"] > replays:  # this call replayed a graph
+                run.replay_host_s += dt + run.pending_host_s
+                run.replay_calls += 1
+            run.pending_host_s = 0.0
 
     def _apply_model_timed(self, run: GraphRun, *args):
         """One pair of CUDA events per call, read at the run's end (the badge's speed-up)."""

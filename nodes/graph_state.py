@@ -164,6 +164,11 @@ class GraphRun:
         # seconds inside the graph launch call: the driver returns only once the GPU has taken
         # up the previous step's launch, so this is waiting for the GPU, not the pack's work
         self.launch_s = 0.0
+        # the same, in the calls that replayed a graph (with the cond batch that led to each):
+        # the per-step cost once a run is planned and captured
+        self.replay_host_s = 0.0
+        self.replay_calls = 0
+        self.pending_host_s = 0.0  # the current evaluation's cond-batch host time
         self.calls = 0  # APPLY_MODEL calls
         self.evaluations = 0  # CALC_COND_BATCH calls (model evaluations)
         self.callbacks = 0  # the sampler's progress callbacks seen
@@ -199,6 +204,9 @@ class GraphRun:
 
     def host_ms_per_step(self, steps: int) -> float:
         return 1e3 * self.host_s / max(1, steps)
+
+    def host_ms_per_replay(self) -> float:
+        return 1e3 * self.replay_host_s / max(1, self.replay_calls)
 
     def launch_ms_per_step(self, steps: int) -> float:
         return 1e3 * self.launch_s / max(1, steps)

@@ -66,6 +66,30 @@ def test_host_input_equal_to_the_last_one_is_not_copied_again():
     assert not torch.equal(outs[1][0], outs[2][0])
 
 
+def test_host_inputs_are_compared_by_their_bytes():
+    """The staging skip compares bytes: equal bytes skip the copy (NaNs included), any changed
+    byte copies (-0.0 against 0.0 too: the bytes differ), other shapes or dtypes never match,
+    and a non-contiguous input is compared by value."""
+    from comfyui_controlnet_accelerator.graphs.static_graph import _same_bytes
+
+    a = torch.randn(2, 77, 768).half()
+    assert _same_bytes(a, a.clone())
+    b = a.clone()
+    b.view(-1)[-1] += 1
+    assert not _same_bytes(a, b)
+    b = a.clone()
+    b.view(torch.int16).view(-1)[0] ^= 1  # one bit of the first element
+    assert not _same_bytes(a, b)
+    n = torch.tensor([float("nan"), 1.0])
+    assert _same_bytes(n, n.clone())
+    assert not _same_bytes(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not _same_bytes(a, a.float())
+    assert not _same_bytes(a, a.reshape(154, 768))
+    t = a.transpose(1, 2)
+    assert _same_bytes(t.contiguous(), t) and not _same_bytes(t.contiguous(), t + 1)
+    assert _same_bytes(torch.empty(0, 3), torch.empty(0, 3))
+
+
 def test_returned_output_is_not_overwritten_by_the_next_replay():
     cache = GraphCache("t", backend="emulate")
     fn = _fn(torch.eye(4))

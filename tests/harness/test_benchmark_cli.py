@@ -140,6 +140,7 @@ def test_table_shows_host_time_per_step_for_graph_variants_only():
     graph = _row(1.0, [1.1, 1.2])
     graph.host_ms_step = 0.4321
     graph.launch_ms_step = 9.876
+    graph.host_ms_replay = 0.2468
     stock = _row(1.0, [1.1, 1.2])
     stock.variant = "stock"
     lines = quick.table([stock, graph], {"T1": "tiny"}).splitlines()
@@ -148,6 +149,9 @@ def test_table_shows_host_time_per_step_for_graph_variants_only():
     assert lines[1].count("---") == len(cols)
     assert [c.strip() for c in lines[2].strip("|").split("|")][at] == "—"
     assert [c.strip() for c in lines[3].strip("|").split("|")][at] == "0.432"
+    at = cols.index("host ms/replay")
+    assert [c.strip() for c in lines[2].strip("|").split("|")][at] == "—"
+    assert [c.strip() for c in lines[3].strip("|").split("|")][at] == "0.247"
     at = cols.index("launch wait ms/step")
     assert [c.strip() for c in lines[2].strip("|").split("|")][at] == "—"
     assert [c.strip() for c in lines[3].strip("|").split("|")][at] == "9.88"

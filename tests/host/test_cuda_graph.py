@@ -497,3 +497,5 @@ def test_badge_reports_host_time_and_the_plan_is_rebuilt_only_for_a_new_signatur
     assert data["plans_built"] == 1, data
     assert 0 < data["host_ms_per_step"] < data["ms_per_step"], data
     assert 0 <= data["launch_ms_per_step"] < data["ms_per_step"], data
+    # the replayed calls' own host time: no planning from scratch, no capture, no eager step
+    assert 0 < data["host_ms_per_replay"] < data["host_ms_per_step"] * 8 / 6, data
