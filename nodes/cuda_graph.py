@@ -211,6 +211,13 @@ class CudaGraphPatch:
         t0 = time.perf_counter()
         run = self._run_of(model_options.get("transformer_options"))
         run.evaluations += 1
+        st = state_for(model, self.options.max_graphs, x_in.device)
+        if step_plan.model_plan(run, st, model).reason is not None:
+            # This run cannot capture the model (DynamicVRAM, lowvram): the step is stock's
+            # own, ControlNets included (APPLY_MODEL counts it eager, with the reason).
+            dt = time.perf_counter() - t0
+            run.host_s += dt
+            return executor(model, conds, x_in, timestep, model_options, *args, **kwargs)
         new_conds = defer_controls(conds)
         dt = time.perf_counter() - t0
         run.host_s += dt

@@ -158,7 +158,8 @@ class ChainPlan:
         return groups
 
 
-def _model_plan(run: GraphRun, st: ModelGraphState, base_model) -> ModelPlan:
+def model_plan(run: GraphRun, st: ModelGraphState, base_model) -> ModelPlan:
+    """The run's ModelPlan of ``base_model`` (built at its first call of the run)."""
     key = ("model", id(base_model))
     mp = run.plans.get(key)
     if mp is None:
@@ -213,6 +214,9 @@ def plan(
             return f"input on {x.device.type}, not CUDA"
         if torch.cuda.is_current_stream_capturing():
             return "another CUDA graph capture is in progress"
+    mp = model_plan(run, st, base_model)
+    if mp.reason is not None:
+        return mp.reason
     if control is not None and call is None:
         return (
             "ControlNet residuals were computed outside this wrapper (another node "
@@ -231,9 +235,6 @@ def plan(
         ]
         if others:
             return f"other wrappers run inside the model call ({', '.join(others)})"
-    mp = _model_plan(run, st, base_model)
-    if mp.reason is not None:
-        return mp.reason
 
     # the inputs fed to the graph, and their shapes and dtypes
     names = ["x", "t"]

@@ -180,6 +180,34 @@ def test_interrupted_run_then_next_run_still_matches(host, tiny_models):
     _same(host, stock, graph)
 
 
+def test_a_model_that_cannot_be_captured_runs_stocks_step_untouched(
+    host, tiny_models, monkeypatch
+):
+    """A model the run cannot capture (DynamicVRAM, lowvram; simulated here by the capture
+    check) gets stock's own step: the ControlNet calls are not deferred into the model call,
+    the result is stock's bit for bit, and every call is counted eager with the reason."""
+    cg = _cg(host)
+    compat = sys.modules[host.pack_module_name].nodes.compat
+    deferred = []
+    real_defer = cg.defer_controls
+
+    def counting_defer(conds):
+        deferred.append(1)
+        return real_defer(conds)
+
+    monkeypatch.setattr(cg, "defer_controls", counting_defer)
+    monkeypatch.setattr(compat, "capture_blocker", lambda module: "weights managed elsewhere")
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T2"].with_(steps=4)
+    stock, _, _ = _run(r, wl, 31)
+    graph, _, _ = _run(r, wl, 31, GRAPH)
+    assert torch.equal(stock.latent, graph.latent)
+    assert not deferred
+    (d,) = badges.data(graph, "cuda_graph")
+    assert (d["captures"], d["replays"]) == (0, 0) and d["eager"] >= 4, d
+    assert d.get("eager_reasons") == ["weights managed elsewhere"], d
+
+
 def test_models_unloaded_and_reloaded_between_runs(host, tiny_models):
     import comfy.model_management
 
