@@ -26,7 +26,7 @@ from comfyui_controlnet_accelerator.harness.quick import (
     _positive_only,
 )
 
-pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
+pytestmark = [pytest.mark.host, pytest.mark.captures, pytest.mark.usefixtures("graph_backend")]
 
 # 9 steps, every 3rd computed, at most 2 reuses in a row: C R R C R R C R C (5 reused). A graph
 # path that refuses the first reuse after the eager fill gives C C R R C R R C C (a different

@@ -25,7 +25,7 @@ from comfyui_controlnet_accelerator.harness import runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import _chain, _insert_model_node
 
-pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
+pytestmark = [pytest.mark.host, pytest.mark.captures, pytest.mark.usefixtures("graph_backend")]
 MIN_PSNR = 45.0
 
 

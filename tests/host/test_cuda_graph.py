@@ -20,7 +20,7 @@ from comfyui_controlnet_accelerator.harness import badges, runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS
 
-pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
+pytestmark = [pytest.mark.host, pytest.mark.captures, pytest.mark.usefixtures("graph_backend")]
 MIN_PSNR_GPU = 60.0
 
 
@@ -180,9 +180,7 @@ def test_interrupted_run_then_next_run_still_matches(host, tiny_models):
     _same(host, stock, graph)
 
 
-def test_a_model_that_cannot_be_captured_runs_stocks_step_untouched(
-    host, tiny_models, monkeypatch
-):
+def test_a_model_that_cannot_be_captured_runs_stocks_step_untouched(host, tiny_models, monkeypatch):
     """A model the run cannot capture (DynamicVRAM, lowvram; simulated here by the capture
     check) gets stock's own step: the ControlNet calls are not deferred into the model call,
     the result is stock's bit for bit, and every call is counted eager with the reason."""

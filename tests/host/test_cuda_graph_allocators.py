@@ -31,6 +31,7 @@ def test_graph_tests_pass_under_allocator(backend, host):
         PYTORCH_CUDA_ALLOC_CONF=f"backend:{backend}",
         CNA_ALLOCATOR_CHILD="1",
         CNA_TEST_GPU="1",
+        CNA_DYNAMIC_VRAM="0",  # ComfyUI 0.33: graphs capture only with DynamicVRAM off
         COMFYUI_PATH=str(host.root),
     )
     files = ["tests/graphs", "tests/host/test_cuda_graph.py"]

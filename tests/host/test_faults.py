@@ -424,6 +424,7 @@ def test_unsupported_control_kind_runs_eager_with_the_reason(
 # 2. Faults
 
 
+@pytest.mark.captures
 @pytest.mark.parametrize("where", ["capture", "static_buffers"])
 def test_out_of_memory_in_capture_releases_graphs_and_runs_eager(
     host, tiny_models, monkeypatch, caplog, where
@@ -643,6 +644,7 @@ def test_interrupt_mid_sampling_then_the_next_run_is_clean(host, tiny_models, va
     _same(host, want_stock, _run(r, wl, 8))
 
 
+@pytest.mark.captures
 @pytest.mark.parametrize("variant", ["cache_every2+graph", "stack_all"])
 def test_models_unloaded_between_runs_of_every_node(host, tiny_models, variant):
     """Everything unloaded between two runs of one executor (the same ControlNet objects and

@@ -174,6 +174,7 @@ def test_memory_is_released_when_sampling_ends(host, tiny_models):
     assert sum(n._pool().nbytes() for n in nets) == 0
 
 
+@pytest.mark.captures
 def test_works_under_the_cuda_graph_node(host, tiny_models):
     """Graph + cache equals eager + cache: the host makes the same decisions, and each decision
     (compute / reuse) is its own graph."""
@@ -252,6 +253,7 @@ def test_adaptive_estimate_tracks_the_real_error(host, tiny_models, monkeypatch)
     assert rho >= 0.7, (rho, list(zip(est, real, strict=True)))
 
 
+@pytest.mark.captures
 def test_two_workflows_alternating_on_one_network_keep_their_graphs(host, tiny_models):
     """The benchmark's case (found on the H200): a cached workflow with the ControlNet on the
     whole CFG batch and one with positive_only (half the batch: other buffer shapes) take turns.
@@ -270,6 +272,7 @@ def test_two_workflows_alternating_on_one_network_keep_their_graphs(host, tiny_m
     assert g["captures"] == 0 and g["replays"] >= 4 * 3, g
 
 
+@pytest.mark.captures
 def test_every_n_under_graphs_reads_nothing_from_the_device(host, tiny_models, monkeypatch):
     """every_n needs only the step index, which the graph wrapper knows on the host (the
     sampler's progress): no sigma is read from the device to decide, in any step. The adaptive
