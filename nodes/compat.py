@@ -232,8 +232,9 @@ def size_dynamic_range(patcher) -> bool:
 
 DYNAMIC_CAPTURE = (
     "ComfyUI's DynamicVRAM manages this model's weights (loaded as layers run, evictable "
-    "between them): a CUDA graph cannot hold them, so it runs eager; start ComfyUI with "
-    "--disable-dynamic-vram to capture it"
+    "between them): a CUDA graph cannot hold them, so it runs eager and gives no speed-up "
+    "(measured slower than without the node); start ComfyUI with --disable-dynamic-vram to "
+    "capture it"
 )
 
 
