@@ -9,6 +9,7 @@ torch.profiler summary (GPU-busy time and kernel launches).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -50,13 +51,17 @@ def _per_step(marks: list[tuple], ms_between) -> list[float]:
 class Runner:
     """One ComfyUI executor with its node cache, so loaders and text encodes run once."""
 
-    def __init__(self):
+    def __init__(self, *, device_peak: bool = False):
+        """``device_peak``: also poll the device's used memory while sampling (see
+        ``DevicePeak``): the only peak that sees memory PyTorch's allocator does not hand out,
+        such as ComfyUI 0.33's DynamicVRAM weights. Off for timed runs (a polling thread)."""
         from ..nodes import compat
         from .comfy_host import HeadlessServer
 
         # the classic cache; ComfyUI 0.33 also takes cache_args (compat builds them)
         self.executor = compat.prompt_executor(HeadlessServer())
         self.cuda = torch.cuda.is_available() and not _comfy_cpu()
+        self.device_peak = device_peak
 
     def run(self, prompt: dict, ids: dict, *, profile: bool = False, on_step=None) -> RunResult:
         """Execute ``prompt``; ``on_step(i)`` is called with the sampler's step i (1-based) each
@@ -98,7 +103,11 @@ class Runner:
         old_hook = comfy.utils.PROGRESS_BAR_HOOK
         comfy.utils.set_progress_bar_global_hook(hook)
         sampling_peaks: list[tuple] = []
-        unpatch = _measure_sampling_peak(sampling_peaks) if self.cuda else (lambda: None)
+        unpatch = (
+            _measure_sampling_peak(sampling_peaks, device_peak=self.device_peak)
+            if self.cuda
+            else (lambda: None)
+        )
         resident = peak_a = peak_r = None
         if self.cuda:
             torch.cuda.synchronize()
@@ -142,6 +151,9 @@ class Runner:
         if samp:  # loading the run's models and sampling, without the prompt's other nodes
             res.extra["sampling_peak_allocated"] = max(x[1] for x in samp)
             res.extra["sampling_peak_reserved"] = max(x[2] for x in samp)
+            dev = [x[3] for x in samp if x[3] is not None]
+            if dev:
+                res.extra["sampling_peak_device"] = max(dev)
         if prof is not None:
             res.gpu_busy_ms, res.kernels = _kernel_summary(prof)
             res.extra["kernel_ms"] = _kernel_times(prof)
@@ -158,13 +170,53 @@ class Runner:
         return [o[0] if isinstance(o, list) and len(o) == 1 else o for o in outs]
 
 
-def _measure_sampling_peak(out: list):
+class DevicePeak:
+    """The most device memory in use while it runs: ``read()`` (default: the CUDA driver's
+    used = total - free, the whole process's use, context included) polled on a thread every
+    ``interval_s``, from ``start()`` to ``stop()``, which reads once more and returns the peak
+    in bytes. A peak between two reads can be missed; the interval is far shorter than a step."""
+
+    def __init__(self, read=None, interval_s: float = 0.002):
+        self.read = read or _device_used
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.read())
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> DevicePeak:
+        self.peak = self.read()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._poll, name="cna-device-peak", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.peak = max(self.peak, self.read())
+        return self.peak
+
+
+def _device_used() -> int:
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def _measure_sampling_peak(out: list, device_peak: bool = False):
     """Record peak VRAM from the start of ComfyUI's ``CFGGuider.sample`` (outside every
     OUTER_SAMPLE wrapper: the pack's nodes reset the peak counter there for their own badges;
-    then the run's models load, then it samples) to its end: ("pre", alloc, reserved) = the
-    prompt's peak so far, ("sampling", alloc, reserved) = the peak of this sampling call.
-    Measurement only: the harness wraps the method for one prompt and puts it back (returns the
-    undo)."""
+    then the run's models load, then it samples) to its end: ("pre", alloc, reserved, None) =
+    the prompt's peak so far, ("sampling", alloc, reserved, device) = the peak of this sampling
+    call, ``device`` the device's used memory (``DevicePeak``) where ``device_peak`` asks for
+    it, else None. Measurement only: the harness wraps the method for one prompt and puts it
+    back (returns the undo)."""
     import comfy.samplers
 
     cls = comfy.samplers.CFGGuider
@@ -172,14 +224,23 @@ def _measure_sampling_peak(out: list):
 
     def sample(self, *args, **kwargs):
         torch.cuda.synchronize()
-        out.append(("pre", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+        out.append(
+            ("pre", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), None)
+        )
         torch.cuda.reset_peak_memory_stats()
+        poll = DevicePeak().start() if device_peak else None
         try:
             return orig(self, *args, **kwargs)
         finally:
             torch.cuda.synchronize()
+            dev = poll.stop() if poll is not None else None
             out.append(
-                ("sampling", torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+                (
+                    "sampling",
+                    torch.cuda.max_memory_allocated(),
+                    torch.cuda.max_memory_reserved(),
+                    dev,
+                )
             )
 
     cls.sample = sample

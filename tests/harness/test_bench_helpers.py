@@ -129,3 +129,39 @@ def test_per_step_times_split_a_throttled_progress_interval_over_its_steps():
     assert got[0] == pytest.approx(10.0)
     assert got[1:4] == pytest.approx([10.0] * 3)
     assert got[4:] == pytest.approx([149.0 / 15] * 15)
+
+
+def test_device_peak_keeps_the_highest_reading_between_start_and_stop():
+    import threading
+
+    from comfyui_controlnet_accelerator.harness.runner import DevicePeak
+
+    level = [5]
+    reads = []
+    seen = threading.Condition()
+
+    def read():
+        with seen:
+            reads.append(level[0])
+            seen.notify_all()
+        return level[0]
+
+    poll = DevicePeak(read, interval_s=0.001).start()
+    level[0] = 9  # a transient high: polled while it lasts, gone before stop()
+    with seen:
+        assert seen.wait_for(lambda: 9 in reads, timeout=5)
+    level[0] = 3
+    assert poll.stop() == 9
+    n = len(reads)
+    level[0] = 20  # stopped: no more reads
+    threading.Event().wait(0.02)
+    assert len(reads) == n and poll.peak == 9
+
+
+def test_device_peak_reads_once_more_at_stop():
+    from comfyui_controlnet_accelerator.harness.runner import DevicePeak
+
+    level = [1]
+    poll = DevicePeak(lambda: level[0], interval_s=60).start()  # polls once, then waits
+    level[0] = 4
+    assert poll.stop() == 4
