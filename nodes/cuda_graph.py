@@ -55,6 +55,7 @@ from .graph_state import (  # noqa: F401  (_STATES, graph_stats: tests and tools
 from .step_plan import CACHE_FILL, FIRST_STEP, Plan, chain_of
 
 WRAPPER_KEY = "cna_cuda_graph"
+TIMED_REPLAYS = 4  # replayed calls per run timed with CUDA events for the badge
 
 
 @dataclass(frozen=True)
@@ -257,8 +258,15 @@ class CudaGraphPatch:
             run.pending_host_s = 0.0
 
     def _apply_model_timed(self, run: GraphRun, *args):
-        """One pair of CUDA events per call, read at the run's end (the badge's speed-up)."""
+        """One pair of CUDA events per call, read at the run's end (the badge's speed-up).
+        Replays are timed only until ``TIMED_REPLAYS`` of them are: an event recorded right
+        after a graph launch waits, as the launch does, while the GPU is behind, and the
+        badge needs their mean, not every one."""
         before = (run.counts["replays"], run.counts["captures"])
+        if run.timed_replays >= TIMED_REPLAYS and run.last_replayed:
+            out = self._apply_model(run, *args)
+            run.last_replayed = run.counts["replays"] > before[0]
+            return out
         try:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -273,8 +281,10 @@ class CudaGraphPatch:
             kind = "capture"
         elif run.counts["replays"] > before[0]:
             kind = "replay"
+            run.timed_replays += 1
         else:
             kind = "eager"
+        run.last_replayed = kind == "replay"
         run.timing.append((kind, start, end))
         return out
 

@@ -157,7 +157,9 @@ class GraphRun:
     def reset(self) -> None:
         self.counts = {"captures": 0, "replays": 0, "eager": 0, "failed": 0}
         self.eager_reasons: set[str] = set()
-        self.timing: list | None = None  # (kind, start event, end event) per model call
+        self.timing: list | None = None  # (kind, start event, end event) per timed model call
+        self.timed_replays = 0  # replayed calls in ``timing``
+        self.last_replayed = False  # whether the last model call replayed a graph
         self.layout = None  # channels-last weights of this run (channels_last.LayoutSwap)
         self.host_s = 0.0  # seconds in the pack's wrapper bodies, ComfyUI's model excluded
         self.model_s = 0.0  # seconds inside ComfyUI's model calls made from those bodies
