@@ -40,6 +40,9 @@ def test_dynamic_vram_models_run_eager_with_the_reason_and_match_stock(dynamic, 
     pack = sys.modules[dynamic.pack_module_name]
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=6)
+    # The run that loads the models under DynamicVRAM can differ from later runs of the same
+    # prompt in the last bits (seen on the H200): compare warm runs, as of a user's second prompt.
+    _run(r, wl, 3)
     stock, _ = _run(r, wl, 4)
     got, p = _run(r, wl, 4, VARIANTS["cuda_graph"])
     assert torch.equal(stock.latent, got.latent)
