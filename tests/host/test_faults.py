@@ -139,6 +139,10 @@ def _collected(result):
 
 
 def _same(host, a, b):
+    """The same result: bit for bit on the CPU. On a GPU, a run in a fresh executor can get
+    other convolution and GEMM algorithms than its reference (the libraries choose by the free
+    memory and workspace they find), so there the bound is 60 dB latent PSNR, far above any
+    lossy mode's and far below what a wrong weight or a skipped step gives."""
     if host.cpu:
         assert torch.equal(a.latent, b.latent), runner.psnr(a.latent, b.latent)
     else:
@@ -526,8 +530,9 @@ def test_out_of_memory_in_the_feature_cache_runs_uncached(
     with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
         p, ids = _prompt(wl, 6, _chain(EVERY2, *extra_g))
         got = badges.run(r, p, ids)
-    assert torch.equal(got.latent, uncached.latent) or not host.cpu
-    assert _rel(got.latent, stock.latent) <= 1e-5 or not host.cpu
+    _same(host, got, uncached)
+    if host.cpu:
+        assert _rel(got.latent, stock.latent) <= 1e-5
     calls = _cache_calls(got)
     assert calls["reused"] == 0 and calls["computed"] >= 1, calls  # it ran, and never reused
     warned = [m.message for m in caplog.records if "Feature Cache: out of memory" in m.message]
@@ -544,7 +549,7 @@ def test_out_of_memory_in_the_feature_cache_runs_uncached(
     again = _run(r, wl, 16, _chain(EVERY2, *extra_g))
     assert _cache_calls(again)["reused"] > 0
     want = _fresh(wl, 16, _chain(EVERY2, *extra_g))
-    assert torch.equal(again.latent, want.latent) or not host.cpu
+    _same(host, again, want)
 
 
 def test_out_of_memory_while_compressing_keeps_weights_as_loaded(
@@ -570,7 +575,7 @@ def test_out_of_memory_while_compressing_keeps_weights_as_loaded(
     with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
         p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
         got = _fresh_prompt(p, ids)
-    assert torch.equal(got.latent, stock.latent)
+    _same(host, got, stock)
     assert calls["n"] >= 3
     gc.collect()
     assert len(mp._COMPRESSED) == n_cached  # the two copies made before the failure are gone
@@ -584,15 +589,27 @@ def test_out_of_memory_for_one_layer_on_the_gpu_quantizes_it_on_the_cpu(
     host, tiny_models, monkeypatch
 ):
     """The Memory Pool quantizes unloaded weights on the GPU, one layer at a time; when even
-    one layer does not fit there, that layer is quantized on the CPU and the run is the same as
-    without the fault (not weights left as loaded)."""
+    one layer does not fit there, that layer is quantized where its weight lies (the CPU) and
+    the run is the one that quantizes that same layer there (not weights left as loaded). The
+    reference moves that one layer's quantizing to the CPU without a fault: on a GPU the two
+    devices' int8 may differ by one step on rounding boundaries, so a reference quantized
+    wholly on the GPU is not the same run."""
     pack = _pack(host)
     mp, wc = pack.nodes.memory_pool, pack.memory.weight_compress
-    p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
+    orig_on_device, orig = mp._on_compute_device, wc.compress
+    where = {"n": 0}
+
+    def second_layer_stays(patcher, w):
+        where["n"] += 1
+        return w if where["n"] == 2 else orig_on_device(patcher, w)
+
+    monkeypatch.setattr(mp, "_on_compute_device", second_layer_stays)
     mp._COMPRESSED.clear()
+    p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
     ref = _fresh_prompt(p, ids)
+    assert where["n"] > 3
+    monkeypatch.setattr(mp, "_on_compute_device", orig_on_device)
     calls = {"n": 0}
-    orig = wc.compress
 
     def compress(*a, **k):
         calls["n"] += 1
@@ -605,7 +622,7 @@ def test_out_of_memory_for_one_layer_on_the_gpu_quantizes_it_on_the_cpu(
     p, ids = _prompt(T1, 7, VARIANTS["pool_int8"])
     got = _fresh_prompt(p, ids)
     assert calls["n"] > 3  # the fault hit one layer, the rest went on
-    assert torch.equal(got.latent, ref.latent)
+    _same(host, got, ref)
     badge = pack.nodes.status.LAST[_node_of(p, "CNA_ControlNetMemoryPool")]["data"]
     assert not badge.get("int8_failed"), badge
 
