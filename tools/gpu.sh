@@ -5,7 +5,11 @@
 #   bash tools/gpu.sh tests [pytest args]     the host tests against a real ComfyUI on the GPU
 #                                             (CNA_TEST_GPU=1), e.g. tests/host tests/memory; on
 #                                             a ComfyUI with DynamicVRAM, the tests marked
-#                                             captures run a second time with it off
+#                                             captures run a second time with it off.
+#                                             The whole suite takes over 9 minutes with
+#                                             -n 12 --dist loadfile -v (pytest-xdist) on a
+#                                             16-core H200 machine: run it in slices, with -v so
+#                                             that a run stopped early still names each result
 #   bash tools/gpu.sh bench [benchmark args]  the quick benchmark (python benchmark.py), e.g.
 #                                             --workloads W2 --variants stock,fused+graph
 #   bash tools/gpu.sh kernels [args]          the kernel microbenchmark (benchmark.py --kernels)
@@ -22,15 +26,18 @@
 # Environment:
 #   COMFYUI_PATH    the ComfyUI tree to use (default: .comfy/ComfyUI in the repository root)
 #   CNA_MODELS_DIR  where the generated random-weight models are cached (default /tmp/cna_models)
-#   CNA_OUT / OUT   folder for the JSON and tables of bench, kernels, soak, mem and repro
+#   CNA_OUT         folder for the JSON and tables of bench, kernels, soak, mem and repro
 #                   (default /tmp/cna-out)
+#   CNA_TEST_MAX_RSS_GB  the tests' memory bound; 0 (off) here unless given: it is the CPU CI
+#                   machine's bound, and on a GPU machine inductor's compile workers and the
+#                   kernel builds run as the tests' children and count towards it
 #   CNA_KERNELS     set to cuda here unless given: the pack's CUDA kernels run in every test and
 #                   benchmark, also before kernels/registry.py records them as validated
 # Wheels the machine lacks (e.g. torchsde, trampoline, av; comfyui-frontend-package, which the
 # soak's servers need) can be put in .whl/: they are installed once per machine into /tmp/site
 # (no index, no dependencies), under a lock so that two runs started at once do not race.
 set -uo pipefail
-OUT=${CNA_OUT:-${OUT:-/tmp/cna-out}}
+OUT=${CNA_OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
   (
     if command -v flock >/dev/null; then flock 9; fi
@@ -45,6 +52,7 @@ export COMFYUI_PATH=${COMFYUI_PATH:-$PWD/.comfy/ComfyUI}
 export CNA_MODELS_DIR=${CNA_MODELS_DIR:-/tmp/cna_models}
 export PYTHONUNBUFFERED=1
 export CNA_KERNELS=${CNA_KERNELS:-cuda}
+export CNA_TEST_MAX_RSS_GB=${CNA_TEST_MAX_RSS_GB:-0}
 what=${1:-}; shift || true
 case "$what" in
   tests)
