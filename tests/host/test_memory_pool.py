@@ -446,8 +446,10 @@ def test_models_unloaded_between_pooled_runs(host, tiny_models):
 
 
 def test_no_growth_over_repeated_runs(host, tiny_models):
-    """52 runs alternating pooled and stock prompts: no new INT8 copies after the first round,
-    the compressed-module cache stays the size of the model, results do not drift."""
+    """22 runs alternating pooled and stock prompts: no new INT8 copies after the first round,
+    the compressed-module cache stays the size of the model, results do not drift. A copy kept
+    per run would show after the second round already; ten rounds leave room for one kept
+    every few runs."""
     import gc
 
     mp = _mp(host)
@@ -464,7 +466,7 @@ def test_no_growth_over_repeated_runs(host, tiny_models):
     n_live, n_cache = live_int8(), len(mp._COMPRESSED)
     assert n_live > 0 and n_cache > 0
     last = None
-    for _ in range(25):
+    for _ in range(10):
         last = _run(r, wl, "pool_int8")
         _run(r, wl, None)
     assert live_int8() == n_live
