@@ -110,7 +110,7 @@ class PeerResult:
     """One run of the peer, comparable field by field with ``runner.RunResult``."""
 
     latent: torch.Tensor  # the final latent in KSampler-output space, float32 on the CPU
-    step_ms: list[float]  # host clock between consecutive steps (synchronized), the first left out
+    step_ms: list[float]  # between consecutive steps' ends (as runner times them), first left out
     wall_s: float  # the whole pipeline call, host clock
     compile_s: float | None = None  # the first (compiling) run's wall time; None uncompiled
     extra: dict = field(default_factory=dict)
@@ -651,11 +651,19 @@ class DiffusersPeer:
         # the pipeline scales the latents it is given by init_noise_sigma (ComfyUI's scale)
 
         graphs = self.compile_mode in _CUDAGRAPH_MODES and self.device.type == "cuda"
-        marks: list[float] = []
+        cuda = self.device.type == "cuda"
+        marks: list = []
 
         def on_step(pipe, i, t, kwargs):
-            _synchronize(self.device)
-            marks.append(time.perf_counter())
+            # timed as harness.runner times ComfyUI's steps: a CUDA event at each step's end on
+            # a GPU (no synchronize, so the host may run ahead as it does in use), the host
+            # clock on the CPU
+            if cuda:
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                marks.append(ev)
+            else:
+                marks.append(time.perf_counter())
             if graphs:  # the next step's graphs may overwrite this step's outputs
                 torch.compiler.cudagraph_mark_step_begin()
             return {}
@@ -703,7 +711,8 @@ class DiffusersPeer:
             self.compile_s = wall
         scale = LATENT_SCALE[self.family]
         latent = (out[0].float() / scale).cpu()
-        step_ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+        pairs = zip(marks, marks[1:], strict=False)
+        step_ms = [a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in pairs]
         return PeerResult(latent, step_ms, wall, self.compile_s)
 
     def close(self) -> None:

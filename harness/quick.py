@@ -245,6 +245,9 @@ VARIANTS["fused+graph_compiled"] = _chain(_fused_apply, VARIANTS["graph_compiled
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")
 DEFAULT_VARIANTS = ["stock", "cuda_graph", "fused", "fused+graph"]
+# diffusers' pipeline with torch.compile as its users run it: CUDA graphs (reduce-overhead),
+# and inductor's tuned kernels without them
+PEER_MODES = ("reduce-overhead", "max-autotune-no-cudagraphs")
 
 # Kernel-name patterns -> op kind, for --op-profile (first match wins; names are lowercased).
 OP_KINDS = [
@@ -373,7 +376,10 @@ def run_workload(
     op_profile: bool = False,
     decode: bool = False,
     cold_memory: bool = False,
+    peers: tuple[str, ...] = (),
 ) -> list[Row]:
+    """Stock ComfyUI, each variant and each peer (``peers``: diffusers with these compile
+    modes, ``--peers``) on one workload, interleaved round by round in this process."""
     import folder_paths
     import torch
 
@@ -429,6 +435,8 @@ def run_workload(
             continue
         prog.step(f"{wid} {v} first run {first[v]:.2f}s")
     per_run: dict[str, list] = {v: [] for v in variants}
+    peer_of, sigmas = _start_peers(wl, peers, models_dir, r.cuda, first, prog)
+    per_run.update({name: [] for name in peer_of})
     for k in range(rounds):
         stock_latent = stock_image = None
         for v in list(variants):
@@ -444,12 +452,18 @@ def run_workload(
             prog.step(
                 f"{wid} {v} round {k + 1}/{rounds}: {statistics.median(res.step_ms):.2f} ms/step"
             )
-        for v in variants:
+        for name, peer in peer_of.items():
+            res = peer.run(2000 + k, sigmas)
+            per_run[name].append(res)
+            prog.step(
+                f"{wid} {name} round {k + 1}/{rounds}: {statistics.median(res.step_ms):.2f} ms/step"
+            )
+        for v in per_run:
             ref = stock_latent if stock_latent is not None else None
             per_run[v][-1].extra["psnr"] = (
                 runner.psnr(ref, per_run[v][-1].latent) if ref is not None else None
             )
-            img = per_run[v][-1].image
+            img = getattr(per_run[v][-1], "image", None)
             if stock_image is not None and img is not None:
                 per_run[v][-1].extra["image_psnr"] = runner.psnr(stock_image, img)
                 per_run[v][-1].extra["ssim"] = runner.ssim(stock_image, img)
@@ -502,28 +516,14 @@ def run_workload(
             prog.step(
                 f"{wid} {v} profiled: {busy[v][0]:.2f} GPU-ms/step, {busy[v][1]:.0f} launches/step"
             )
+        for name, peer in peer_of.items():
+            busy[name] = _peer_busy(peer, wl.steps, sigmas)
+            prog.step(f"{wid} {name} profiled: {busy[name][0]:.2f} GPU-ms/step")
 
     rows = []
     for v in variants:
         runs = per_run[v]
-        meds = [statistics.median(x.step_ms) for x in runs]
-        walls = [x.wall_s for x in runs]
-        psnrs = [x.extra["psnr"] for x in runs if x.extra.get("psnr") is not None]
-        row = Row(
-            workload=wid,
-            variant=v,
-            ms_step_median=statistics.median(meds),
-            ms_step_mean=statistics.median([statistics.fmean(x.step_ms) for x in runs]),
-            ms_step_min=min(meds),
-            ms_step_max=max(meds),
-            run_medians_ms=[round(m, 3) for m in meds],
-            wall_s_median=statistics.median(walls),
-            first_run_s=first[v],
-            first_run_overhead_s=first[v] - statistics.median(walls),
-            psnr_vs_stock_db=min(psnrs) if psnrs else None,
-        )
-        # the warm runs' own spread: a first run within it had no overhead we can measure
-        row.extra["warm_wall_spread_s"] = max(walls) - min(walls)
+        row = _timed_row(wid, v, runs, first[v])
         if r.cuda:
             row.peak_allocated_mib = max(x.peak_allocated for x in runs) / MiB
             row.peak_reserved_mib = max(x.peak_reserved for x in runs) / MiB
@@ -572,11 +572,106 @@ def run_workload(
             row.extra["ran_eager"] = eager_note(reasons)
         row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
         rows.append(row)
+    for name, peer in peer_of.items():
+        runs = per_run[name]
+        row = _timed_row(wid, name, runs, first[name])
+        if name in busy:
+            row.gpu_busy_ms_step, row.launches_step = busy[name]
+        row.extra["compile_s"] = peer.compile_s
+        row.extra["peer"] = f"diffusers {sys.modules['diffusers'].__version__}"
+        row.extra["latent_std"] = float(runs[-1].latent.std())
+        row.extra["step_ms_last_round"] = [round(x, 3) for x in runs[-1].step_ms]
+        row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
+        rows.append(row)
+        peer.close()
     import comfy.model_management
 
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
     return rows
+
+
+def _timed_row(wid: str, v: str, runs: list, first_s: float) -> Row:
+    """The timing part of a row from the warm rounds' results (ComfyUI runs or peer runs)."""
+    meds = [statistics.median(x.step_ms) for x in runs]
+    walls = [x.wall_s for x in runs]
+    psnrs = [x.extra["psnr"] for x in runs if x.extra.get("psnr") is not None]
+    row = Row(
+        workload=wid,
+        variant=v,
+        ms_step_median=statistics.median(meds),
+        ms_step_mean=statistics.median([statistics.fmean(x.step_ms) for x in runs]),
+        ms_step_min=min(meds),
+        ms_step_max=max(meds),
+        run_medians_ms=[round(m, 3) for m in meds],
+        wall_s_median=statistics.median(walls),
+        first_run_s=first_s,
+        first_run_overhead_s=first_s - statistics.median(walls),
+        psnr_vs_stock_db=min(psnrs) if psnrs else None,
+    )
+    # the warm runs' own spread: a first run within it had no overhead we can measure
+    row.extra["warm_wall_spread_s"] = max(walls) - min(walls)
+    return row
+
+
+def peer_variant(mode: str) -> str:
+    """The table's name of the diffusers peer with torch.compile ``mode`` ("eager": none)."""
+    return f"diffusers ({mode})"
+
+
+def _start_peers(wl, modes, models_dir, cuda: bool, first: dict, prog) -> tuple[dict, object]:
+    """Build the diffusers peer for each compile mode and give it its first (compiling) run;
+    a peer that cannot run on this workload is listed as not run, with the reason. Returns
+    {variant name: peer} and the sigmas stock ComfyUI samples with."""
+    if not modes:
+        return {}, None
+    from . import peers
+
+    sigmas = peers.comfy_sigmas(wl)
+    built: dict = {}
+    for mode in modes:
+        name = peer_variant(mode)
+        peer = None
+        try:
+            peer = peers.build_peer(
+                wl,
+                models_dir,
+                device="cuda" if cuda else "cpu",
+                compile_mode=None if mode == "eager" else mode,
+                progress=prog.note,
+            )
+            first[name] = peer.run(1001, sigmas).wall_s
+        except Exception as e:  # a peer that cannot run this workload: say so, run the rest
+            if peer is not None:
+                peer.close()
+            prog.not_run.append({"workload": wl.id, "variant": name, "why": str(e)[:600]})
+            prog.note(f"{wl.id} {name} not run: {str(e)[:300]}")
+            continue
+        built[name] = peer
+        prog.step(f"{wl.id} {name} first run {first[name]:.2f}s (compile included)")
+    return built, sigmas
+
+
+def _peer_busy(peer, steps: int, sigmas) -> tuple[float, float]:
+    """GPU-busy ms and kernel launches per step of a peer: a whole run and one of half the
+    steps under the profiler, the difference per step (as the ComfyUI variants are measured,
+    so text encoding and the run's set-up cancel out)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    from . import peers, runner
+
+    half = max(1, steps // 2)
+    out = []
+    for sig in (sigmas, peers.normal_sigmas(half)):
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            peer.run(3000, sig)
+            torch.cuda.synchronize()
+        out.append(runner._kernel_summary(prof))
+    (busy_a, k_a), (busy_b, k_b) = out
+    n = steps - half
+    return (busy_a - busy_b) / n, (k_a - k_b) / n
 
 
 def _not_run(wid: str, v: str, why: str, variants: list[str], prog) -> None:
@@ -802,6 +897,18 @@ def _quick_arguments(ap) -> None:
         "--out", type=Path, default=Path("bench-results"), help="folder for JSON + table"
     )
     ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run diffusers' ControlNet pipeline on the same weights, prompts, noise and "
+        "sigmas, with torch.compile (needs diffusers: pip install --no-deps diffusers==0.42.1; "
+        "SD1.5 and SDXL workloads with ControlNets)",
+    )
+    ap.add_argument(
+        "--peer-modes",
+        default=",".join(PEER_MODES),
+        help=f"the peers' torch.compile modes (default {','.join(PEER_MODES)}; 'eager' for none)",
+    )
+    ap.add_argument(
         "--native-allocator",
         action="store_true",
         help="keep PyTorch's native allocator instead of ComfyUI's cudaMallocAsync default",
@@ -833,6 +940,18 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown workload/variant: {unknown}")
     if "stock" not in variants:
         variants.insert(0, "stock")
+    peer_modes: tuple[str, ...] = ()
+    if a.peers:
+        from . import peers
+
+        peer_modes = tuple(a.peer_modes.split(","))
+        try:
+            for m in peer_modes:
+                if m != "eager":
+                    peers.check_compile_mode(m)
+            peers.require_diffusers()
+        except (ValueError, ImportError) as e:
+            ap.error(f"--peers: {e}")
     if a.rounds is None:
         a.rounds = CPU_ROUNDS if host.cpu else GPU_ROUNDS
     profile = not a.no_profile and not host.cpu
@@ -840,6 +959,7 @@ def main(argv: list[str] | None = None) -> int:
     cold_memory = a.cold_memory and not host.cpu
     extra_runs = int(profile) + int(op_profile) + int(cold_memory)
     per_wl = 1 + len(variants) * (1 + a.rounds + extra_runs)
+    per_wl += len(peer_modes) * (1 + a.rounds + int(profile))
     prog = Progress(per_wl * len(wids))
     env = environment()
     prog.note(
@@ -848,7 +968,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[Row] = []
     wl_info = {w: _describe(WORKLOADS[w], a.steps) for w in wids}
-    ran = what_ran(host.cpu, wl_info, variants, a.rounds, defaults=not a.workloads)
+    ran = what_ran(
+        host.cpu,
+        wl_info,
+        variants + [peer_variant(m) for m in peer_modes],
+        a.rounds,
+        defaults=not a.workloads,
+    )
     prog.note(ran)
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -866,6 +992,7 @@ def main(argv: list[str] | None = None) -> int:
                 op_profile=op_profile,
                 decode=a.decode,
                 cold_memory=cold_memory,
+                peers=peer_modes,
             )
         )
         partial = {

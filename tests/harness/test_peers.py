@@ -154,3 +154,31 @@ def test_full_size_models_convert_completely(host, arch):
     assert counts["controlnet"] == sum(t.numel() for t in cn.values())
     assert counts["vae"] == vae
     assert ("text_encoder_2" in counts) == (arch == "sdxl")
+
+
+@pytest.mark.host
+def test_quick_benchmark_runs_the_peer_beside_stock_and_says_what_it_cannot_run(
+    host, tiny_models, models_dir
+):
+    """``--peers`` in the quick benchmark: the peer's row sits beside stock's from the same
+    rounds, with its latent PSNR against that round's stock latent; a workload the peer cannot
+    run (no ControlNet) lists the peer as not run with the reason, and stock still runs."""
+    pytest.importorskip("diffusers")
+    from comfyui_controlnet_accelerator.harness import quick
+
+    prog = quick.Progress(100)
+    try:
+        rows = quick.run_workload("T1", ["stock"], 1, False, 3, models_dir, prog, peers=("eager",))
+        rows0 = quick.run_workload("T0", ["stock"], 1, False, 3, models_dir, prog, peers=("eager",))
+    finally:
+        prog.close()
+    by = {r.variant: r for r in rows}
+    peer = by[quick.peer_variant("eager")]
+    assert set(by) == {"stock", quick.peer_variant("eager")}
+    assert peer.psnr_vs_stock_db >= MIN_PSNR_DB, peer.psnr_vs_stock_db
+    assert len(peer.extra["step_ms_last_round"]) == 2 and peer.extra["compile_s"] is None
+    assert peer.extra["finite"] and peer.extra["peer"].startswith("diffusers ")
+    assert [r.variant for r in rows0] == ["stock"]
+    (why,) = [n["why"] for n in prog.not_run if n["workload"] == "T0"]
+    assert "needs one" in why, why
+    _release()
