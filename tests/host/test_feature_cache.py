@@ -193,7 +193,10 @@ def test_works_under_the_cuda_graph_node(host, tiny_models):
     assert d == d_eager and d["reused"] >= 1, (d, d_eager)
     # a second run on the same objects replays the same two graphs: no new capture
     again = _run(r, WL, 10, _chain(EVERY2, VARIANTS["cuda_graph"]))
-    assert torch.equal(again.latent, graph.latent) or not host.cpu
+    if host.cpu:
+        assert torch.equal(again.latent, graph.latent)
+    else:  # the first graph run's steps ran eager before their capture, the second's replay
+        assert runner.psnr(graph.latent, again.latent) >= 45.0
     assert badges.graph_counts(again)["captures"] == 0
     # ComfyUI's loader is told what the kept buffers take (it frees that much VRAM first)
     kept = [
