@@ -452,8 +452,17 @@ def run_workload(
             prog.step(
                 f"{wid} {v} round {k + 1}/{rounds}: {statistics.median(res.step_ms):.2f} ms/step"
             )
-        for name, peer in peer_of.items():
-            res = peer.run(2000 + k, sigmas)
+        for name, peer in list(peer_of.items()):
+            try:
+                res = peer.run(2000 + k, sigmas)
+            except Exception as e:  # as a failing variant: listed with the reason, rest go on
+                peer.close()
+                del peer_of[name], per_run[name]
+                prog.not_run.append(
+                    {"workload": wid, "variant": name, "why": f"failed in round {k + 1}: {e}"[:600]}
+                )
+                prog.note(f"{wid} {name} not run: failed in round {k + 1}: {str(e)[:300]}")
+                continue
             per_run[name].append(res)
             prog.step(
                 f"{wid} {name} round {k + 1}/{rounds}: {statistics.median(res.step_ms):.2f} ms/step"
@@ -517,7 +526,7 @@ def run_workload(
                 f"{wid} {v} profiled: {busy[v][0]:.2f} GPU-ms/step, {busy[v][1]:.0f} launches/step"
             )
         for name, peer in peer_of.items():
-            busy[name] = _peer_busy(peer, wl.steps, sigmas)
+            busy[name] = _peer_busy(peer, wl, sigmas)
             prog.step(f"{wid} {name} profiled: {busy[name][0]:.2f} GPU-ms/step")
 
     rows = []
@@ -652,7 +661,7 @@ def _start_peers(wl, modes, models_dir, cuda: bool, first: dict, prog) -> tuple[
     return built, sigmas
 
 
-def _peer_busy(peer, steps: int, sigmas) -> tuple[float, float]:
+def _peer_busy(peer, wl, sigmas) -> tuple[float, float]:
     """GPU-busy ms and kernel launches per step of a peer: a whole run and one of half the
     steps under the profiler, the difference per step (as the ComfyUI variants are measured,
     so text encoding and the run's set-up cancel out)."""
@@ -662,9 +671,10 @@ def _peer_busy(peer, steps: int, sigmas) -> tuple[float, float]:
 
     from . import peers, runner
 
+    steps = wl.steps
     half = max(1, steps // 2)
     out = []
-    for sig in (sigmas, peers.normal_sigmas(half)):
+    for sig in (sigmas, peers.comfy_sigmas(wl.with_(steps=half))):
         with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
             peer.run(3000, sig)
             torch.cuda.synchronize()
