@@ -69,20 +69,20 @@ def pytest_report_header(config):
     return f"ComfyUI {COMFY_VERSION or '(version unknown)'} at {COMFY_ROOT}"
 
 
+BUILD_FIRST = "tests/kernels/test_build.py::"
+
+
 def pytest_collection_modifyitems(config, items):
     skip_host = pytest.mark.skip(reason=f"needs ComfyUI: {COMFY_MISSING}")
     for item in items:
         if "host" in item.keywords and COMFY_ROOT is None:
             item.add_marker(skip_host)
     # The kernel build runs first, while this process is still small: its two compiler jobs
-    # (about 3 GB each) then fit the memory bound together, and the build takes half the time
-    # it takes with one job after the host tests have grown the process.
+    # (about 3 GB each) then fit the memory bound together, where one job at a time had to do
+    # after the host tests had grown the process.
     first = [i for i in items if i.nodeid.startswith(BUILD_FIRST)]
     if first:
         items[:] = first + [i for i in items if not i.nodeid.startswith(BUILD_FIRST)]
-
-
-BUILD_FIRST = "tests/kernels/test_build.py::"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -34,8 +34,9 @@
 #   CNA_KERNELS     set to cuda here unless given: the pack's CUDA kernels run in every test and
 #                   benchmark, also before kernels/registry.py records them as validated
 # Wheels the machine lacks (e.g. torchsde, trampoline, av; comfyui-frontend-package, which the
-# soak's servers need; diffusers, for bench --peers) can be put in .whl/: they are installed once per machine into /tmp/site
-# (no index, no dependencies), under a lock so that two runs started at once do not race.
+# soak's servers need; diffusers, for bench --peers) can be put in .whl/: they are installed
+# once per machine into /tmp/site (no index, no dependencies), under a lock so that two runs
+# started at once do not race.
 set -uo pipefail
 OUT=${CNA_OUT:-/tmp/cna-out}
 if compgen -G ".whl/*.whl" >/dev/null; then
