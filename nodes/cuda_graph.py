@@ -32,6 +32,7 @@ import torch
 from ..errors import is_out_of_memory
 from ..graphs import CaptureFailed
 from ..graphs.compiled import CompileOptions
+from ..graphs.hint_encoding import encode, encoder_of
 from ..logger import logger
 from ..memory import prefetch
 from . import compiled_step, status, step_plan
@@ -353,7 +354,11 @@ class CudaGraphPatch:
                 )
                 entry = None
         if entry is not None:
-            _refresh_chain_buffers(entry, plan.chain)
+            stale = _refresh_chain_buffers(entry, plan.chain, st)
+            if stale is not None:
+                cache.evict(lambda e: e is entry, stale)
+                entry = None
+        if entry is not None:
             st.count("replays", run)
             fn = None  # a real replay runs no Python; the emulated one calls the function
             if cache.backend != "cuda":
@@ -385,6 +390,11 @@ class CudaGraphPatch:
                 for cn in plan.chain
             ]
             e.extras["strength_val"] = [float(cn.strength) for cn in plan.chain]
+            e.extras["encoded"] = [
+                _encode_hint(st, cn, h)
+                for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
+            ]
+            e.extras["encoded_run"] = st.run_id
             cur_extras.update(e.extras)
 
         failure = None
@@ -454,7 +464,7 @@ class CudaGraphPatch:
                     if side is not None:  # fork: the ControlNets wait for the step's inputs only
                         side.wait_stream(torch.cuda.current_stream())
                     ctl = call_topts.get(step_plan.STEP_KEY)
-                    overrides = _chain_overrides(plan.chain, plan.active, extras, comp)
+                    overrides = _chain_overrides(plan.chain, plan.active, extras, comp, st)
                     with overrides, on_stream(side):
                         ctl.graph = True
                         try:
@@ -502,18 +512,41 @@ class CudaGraphPatch:
         return fn
 
 
-def _refresh_chain_buffers(entry, chain) -> None:
-    """Bring each ControlNet's hint and strength buffers up to date before a replay."""
+def _encode_hint(st, cn, hint) -> torch.Tensor | None:
+    """The ControlNet's hint encoder run on ``hint`` outside the graph, or None when its
+    network runs whole inside the graph (no hint this step, or an encoder that cannot run once
+    per hint: see graphs/hint_encoding.py)."""
+    if hint is None or st.hint_net(cn.control_model) is None:
+        return None
+    return encode(encoder_of(cn.control_model), hint)
+
+
+def _refresh_chain_buffers(entry, chain, st) -> str | None:
+    """Bring each ControlNet's hint, hint encoding and strength buffers up to date before a
+    replay. The encoding is recomputed with a new hint, and once per sampling run (a patch of
+    the encoder's weights between runs is then seen as the graph sees it). Returns why the
+    graph cannot be replayed (an encoding it reads can no longer be made), else None."""
     hints, srcs = entry.extras["hint"], entry.extras["hint_src"]
     strengths, vals = entry.extras["strength"], entry.extras["strength_val"]
+    encoded = entry.extras.get("encoded") or [None] * len(chain)
+    new_run = entry.extras.get("encoded_run") != st.run_id
+    entry.extras["encoded_run"] = st.run_id
     for i, cn in enumerate(chain):
+        fresh = new_run
         if hints[i] is not None and srcs[i] is not cn.cond_hint:
             hints[i].copy_(cn.cond_hint)
             srcs[i] = cn.cond_hint
+            fresh = True
+        if fresh and encoded[i] is not None:
+            enc = _encode_hint(st, cn, hints[i])
+            if enc is None or enc.shape != encoded[i].shape:
+                return "a ControlNet's hint encoder changed"
+            encoded[i].copy_(enc)
         s = float(cn.strength)
         if vals[i] != s:
             strengths[i].fill_(s)
             vals[i] = s
+    return None
 
 
 class _chain_overrides:
@@ -522,19 +555,23 @@ class _chain_overrides:
     reads these from the object and offers no other way in, so they are swapped for the call
     and put back after it. An inactive stock ControlNet passes the previous one's residuals
     through, exactly as stock ``get_control`` would; the pack's fused nets read the host's
-    decision from the call's StepControl instead. In compiled mode each network is its
-    compiled stand-in for the call (compiled_step.CompiledNet)."""
+    decision from the call's StepControl instead. A network whose hint was encoded outside
+    the graph (``extras["encoded"]``) is its ``EncodedHintNet`` for the call, which reads that
+    encoding; in compiled mode each network (or the one without its encoder) runs compiled
+    (compiled_step.CompiledNet)."""
 
-    def __init__(self, chain, active, extras, comp=None):
+    def __init__(self, chain, active, extras, comp=None, st=None):
         from .fused_apply import FusedControlNet
 
-        self.chain, self.active, self.extras, self.comp = chain, active, extras, comp
+        self.chain, self.active, self.extras, self.comp, self.st = chain, active, extras, comp, st
         self.fused = FusedControlNet
         self.saved: list[tuple] = []
+        self.encoded_nets: list = []
 
     def __enter__(self):
         hints = self.extras.get("hint", [])
         strengths = self.extras.get("strength", [])
+        encoded = self.extras.get("encoded", [])
         for i, cn in enumerate(self.chain):
             self.saved.append(
                 (
@@ -546,7 +583,15 @@ class _chain_overrides:
                 )
             )
             cn.timestep_range = None
-            if self.comp is not None and cn.control_model is not None:
+            hn = None
+            if self.st is not None and i < len(encoded) and encoded[i] is not None:
+                hn = self.st.hint_net(cn.control_model)
+            if hn is not None:
+                hn.use(hints[i], encoded[i])
+                hn.inner = None if self.comp is None else self.comp.model.net_for(hn.headless)
+                self.encoded_nets.append(hn)
+                cn.control_model = hn
+            elif self.comp is not None and cn.control_model is not None:
                 cn.control_model = self.comp.model.net_for(cn.control_model)
             if i < len(strengths):
                 cn.strength = strengths[i]
@@ -565,6 +610,8 @@ class _chain_overrides:
             cn.cond_hint = hint
             if not had_get_control:
                 cn.__dict__.pop("get_control", None)
+        for hn in self.encoded_nets:
+            hn.use(None, None)
         return False
 
 

@@ -18,6 +18,7 @@ from collections.abc import Hashable
 import torch
 
 from ..graphs import GraphCache, backend_name
+from ..graphs.hint_encoding import EncodedHintNet, encoder_of
 from ..logger import logger
 from . import status
 
@@ -38,6 +39,9 @@ class ModelGraphState:
         # model calls replayed / captured / run eager, captures that failed, graphs released
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._side = None
+        # ControlNet network -> its stand-in that reads the hint encoded outside the graph
+        # (graphs/hint_encoding.py); weak keys: bounded by the networks alive
+        self.hint_nets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def side_stream(self, x: torch.Tensor):
         """The stream the ControlNets run on beside the UNet (CUDA only; None elsewhere)."""
@@ -62,6 +66,16 @@ class ModelGraphState:
             self.eager_reasons.add(reason)
             log = logger.debug if expected else logger.info
             log("%s: running eager: %s", self.cache.name, reason)
+
+    def hint_net(self, net) -> EncodedHintNet | None:
+        """The stand-in for a ControlNet network whose hint encoder can run outside the
+        graph, or None (the network then runs whole inside it)."""
+        if net is None or encoder_of(net) is None:
+            return None
+        got = self.hint_nets.get(net)
+        if got is None:
+            got = self.hint_nets[net] = EncodedHintNet(net)
+        return got
 
     def fingerprint(self, module: torch.nn.Module) -> Hashable:
         """Addresses of the module's weights, computed once per sampling run."""

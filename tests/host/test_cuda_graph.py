@@ -18,7 +18,7 @@ import pytest
 import torch
 from comfyui_controlnet_accelerator.harness import badges, runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
-from comfyui_controlnet_accelerator.harness.quick import VARIANTS
+from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _chain
 
 pytestmark = [pytest.mark.host, pytest.mark.captures, pytest.mark.usefixtures("graph_backend")]
 MIN_PSNR_GPU = 60.0
@@ -93,6 +93,57 @@ def test_strength_change_replays_without_recapture(host, tiny_models):
         graphs.append(graph)
     d = badges.graph_counts(graphs)
     assert d["captures"] == 0 and d["replays"] >= 8, d
+
+
+def _count_hint_encodes(monkeypatch) -> list:
+    """Counts the hint encoder's runs: its first convolution is the only one fed the 3-channel
+    hint image (the UNet's first takes the 4-channel latent)."""
+    calls: list = []
+    conv = torch.nn.Conv2d._conv_forward
+
+    def counting(self, x, weight, bias):
+        if x.shape[-3] == 3:
+            calls.append(tuple(x.shape))
+        return conv(self, x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.Conv2d, "_conv_forward", counting)
+    return calls
+
+
+def test_hint_encoded_once_per_run_outside_the_graph_and_a_new_hint_replays(
+    host, tiny_models, monkeypatch
+):
+    """The ControlNet's hint encoder runs outside the graph: once when the graph is captured
+    (or at a run's first replay) instead of at every step, and a new hint image of the same size
+    replays the same graph with its own encoding. Every result is stock's, bit for bit."""
+    import folder_paths
+
+    wl = CASES["1cn"].with_(steps=6)
+    other = wf.write_hint_images(folder_paths.get_input_directory(), wl.with_(controlnets=("a", "b")))
+
+    def other_hint(p, ids):
+        p[ids["hint_0"]]["inputs"]["image"] = other[1]
+
+    r = runner.Runner()
+    stock_a, _, _ = _run(r, wl, 31)
+    stock_b, _, _ = _run(r, wl, 31, other_hint)
+    assert not torch.equal(stock_a.latent, stock_b.latent)  # the hint matters
+    calls = _count_hint_encodes(monkeypatch)
+    stock_a2, _, _ = _run(r, wl, 32)  # another seed: ComfyUI would serve a repeat from cache
+    assert len(calls) == 6, calls  # stock: every step (cond and uncond in one batch)
+    results = []
+    runs = ((GRAPH, 31, stock_a), (GRAPH, 32, stock_a2), (_chain(other_hint, GRAPH), 31, stock_b))
+    for extra, seed, stock in runs:
+        del calls[:]
+        got, _, _ = _run(r, wl, seed, extra)
+        _same(host, stock, got)
+        results.append((badges.graph_counts(got), len(calls)))
+    (first, n1), (again, n2), (new_hint, n3) = results
+    assert first["captures"] == 1 and first["replays"] == 4, first
+    # step 0 runs stock (ComfyUI prepares the hint), then one encode for the graph's buffer
+    assert n1 == 2, n1
+    assert again["captures"] == 0 and n2 == 2, (again, n2)  # one encode at the first replay
+    assert new_hint["captures"] == 0 and new_hint["replays"] == 5 and n3 == 2, (new_hint, n3)
 
 
 def test_resolution_change_and_back(host, tiny_models):
