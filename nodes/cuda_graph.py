@@ -121,13 +121,16 @@ class CudaGraphPatch:
         run.timing = [] if run.node_id is not None and torch.cuda.is_available() else None
         if run.timing is not None:
             torch.cuda.reset_peak_memory_stats()  # the badge's peak is this run's
-        if self.options.enabled and self.options.channels_last:
-            run.layout = LayoutSwap()
         comp = comp_off = None
         if self.options.enabled:
             comp, comp_off = compiled_step.begin_run(
                 self.options.compile, guider.model_options, model
             )
+        # Compiled mode always runs on channels-last weights: inductor keeps activations
+        # channels-last, and weights handed to it in ComfyUI's layout are permuted by its code
+        # at every call (a copy of every convolution weight per step).
+        if self.options.enabled and (self.options.channels_last or comp is not None):
+            run.layout = LayoutSwap()
         ok = False
         try:
             out = executor(*args, **kwargs)
