@@ -103,6 +103,53 @@ def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, native, t
     assert runner.psnr(got.latent, got2.latent) < 30
 
 
+def test_compiled_runs_on_channels_last_weights_and_puts_them_back(
+    host, native, tiny_models, monkeypatch
+):
+    """Compiled mode hands inductor channels-last convolution weights (else its code permutes
+    every weight at every call) for the length of the run, without the node's channels_last
+    input, and the weights are ComfyUI's again after it: same storage, values and layout."""
+    import comfy.model_management
+    import folder_paths
+
+    if host.cpu:
+        cl = sys.modules[host.pack_module_name].nodes.channels_last
+        monkeypatch.setattr(cl, "DEVICES", ("cuda", "cpu"))
+
+    def convs():
+        return [
+            m.weight
+            for lm in comfy.model_management.current_loaded_models
+            if lm.model is not None
+            for m in lm.model.model.modules()
+            if isinstance(m, torch.nn.Conv2d)
+        ]
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4)
+    stock, _ = _run(r, wl, 12)
+    before = [(w, w.data_ptr(), float(w.double().sum())) for w in convs()]
+    assert before and all(w.is_contiguous() for w, *_ in before)
+    seen = []
+
+    def on_step(step):  # 1x1 kernels are in both layouts at once: count the others
+        seen.append(
+            [
+                w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous()
+                for w in convs()
+                if w.shape[-2:] != (1, 1)
+            ]
+        )
+
+    hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
+    p, ids = wf.build_prompt(wl, 12, hints, _graph(compile="inductor"))
+    got = r.run(p, ids, on_step=on_step)
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR
+    assert seen and all(s and all(s) for s in seen), seen
+    for w, ptr, total in before:
+        assert w.is_contiguous() and w.data_ptr() == ptr and float(w.double().sum()) == total
+
+
 def test_compiled_and_eager_graphs_of_one_model_do_not_share_graphs(host, native, tiny_models):
     """The same model through an eager and a compiled CUDA Graph node: each captures its own
     graph (the compiled one never replays eager kernels, nor the other way round)."""
