@@ -22,8 +22,9 @@ node hands them to stock Apply ControlNet).
 
 The CUDA Graph wrapper drives these objects through ``transformer_options`` (a
 ``step_control.StepControl``): which nets run this step (the host decided it once for the chain)
-and whether the call runs inside the graph's function (the hint buffer is refreshed before each
-replay, so the encoding must be computed inside the graph, not taken from the cache).
+and whether the call runs inside the graph's function. There the hint is the graph's buffer and
+the encoding is the CUDA Graph node's (graphs/hint_encoding.py: computed outside the graph when
+that buffer is refreshed), so this cache stays out of the way.
 
 State: ``fused_settings`` (what the Apply node chose; frozen, carried by ``copy``) and ``_run``
 (this sampling run's encodings and badge figures; reset by ``pre_run``/``cleanup``).
@@ -177,7 +178,9 @@ class FusedControlNet(_Base):
             else:
                 kern = "kernels: PyTorch (" + status.short(cuda.get("reason") or "off", 40) + ")"
             n, graphed = self._run.encodes, self._run.in_graph
-            hint = "hint: in the CUDA graph" if graphed else f"hint encoded {n}× this run"
+            hint = f"hint encoded {n}× this run"
+            if graphed:
+                hint = "hint: encoded by the CUDA Graph node"
             nets, prev = 1, self.previous_controlnet
             while isinstance(prev, FusedControlNet):
                 nets, prev = nets + 1, prev.previous_controlnet
