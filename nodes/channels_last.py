@@ -45,6 +45,14 @@ class LayoutSwap:
         self.converted: list[torch.Tensor] = []
         self.modules: set[int] = set()
 
+    def seen(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` was converted, or left alone, in this run already."""
+        return id(module) in self.modules
+
+    def leave(self, module: torch.nn.Module) -> None:
+        """Leave ``module``'s weights as they are for this run (ComfyUI moves them)."""
+        self.modules.add(id(module))
+
     def ensure(self, module: torch.nn.Module | None) -> int:
         """Convert ``module``'s Conv2d weights (once per run); returns how many changed."""
         if module is None or id(module) in self.modules:

@@ -308,12 +308,19 @@ class CudaGraphPatch:
         if not self.options.enabled:
             return eager()
         base_model = executor.class_obj
-        if run.layout is not None:
+        st = state_for(base_model, self.options.max_graphs, x.device)
+        if run.layout is not None and step_plan.model_plan(run, st, base_model).reason is None:
+            # Never under DynamicVRAM or lowvram: those weights are ComfyUI's to move or refill
+            # while the run goes on, in its own layout.
             run.layout.ensure(getattr(base_model, "diffusion_model", None))
             if call is not None:
                 for cn in chain_of(call.control):
-                    run.layout.ensure(getattr(cn, "control_model", None))
-        st = state_for(base_model, self.options.max_graphs, x.device)
+                    net = getattr(cn, "control_model", None)
+                    if net is not None and not run.layout.seen(net):
+                        if step_plan.capturable_net(net):
+                            run.layout.ensure(net)
+                        else:
+                            run.layout.leave(net)
         comp = compiled_step.run_of(transformer_options)
         flags = (
             run.layout is not None,
@@ -394,8 +401,7 @@ class CudaGraphPatch:
             ]
             e.extras["strength_val"] = [float(cn.strength) for cn in plan.chain]
             e.extras["encoded"] = [
-                _encode_hint(st, cn, h)
-                for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
+                _encode_hint(st, cn, h) for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
             ]
             e.extras["encoded_run"] = st.run_id
             cur_extras.update(e.extras)

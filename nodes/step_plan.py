@@ -82,6 +82,11 @@ class ModelPlan:
             self.deps = {id(self.diffusion): st.fingerprint(self.diffusion)}
 
 
+def capturable_net(net) -> bool:
+    """Whether a ControlNet's network is whole on the GPU and not under DynamicVRAM."""
+    return net is not None and not _lowvram(net) and compat.capture_blocker(net) is None
+
+
 class ChainPlan:
     """Per run: one control object's chain and the static part of its graph signature."""
 

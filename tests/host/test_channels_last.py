@@ -112,3 +112,43 @@ def test_interrupted_run_still_puts_the_weights_back(host, tiny_models):
     for w, p, s, c in before:
         if id(w) in after:
             assert after[id(w)] == (p, s, c)
+
+
+def test_weights_comfyui_moves_are_left_in_its_layout(host, tiny_models, monkeypatch):
+    """A ControlNet under DynamicVRAM (or lowvram) keeps ComfyUI's layout for the whole run:
+    ComfyUI may refill those weights from its own copy as the run goes on. Here its network is
+    made to look DynamicVRAM-managed; the UNet's weights still go channels-last."""
+    compat = sys.modules[host.pack_module_name].nodes.compat
+    real = compat.dynamic_layers
+    monkeypatch.setattr(
+        compat,
+        "dynamic_layers",
+        lambda m: 7 if type(m).__name__ == "ControlNet" else real(m),
+    )
+    import comfy.model_management
+
+    def layouts():
+        out = {}
+        for lm in comfy.model_management.current_loaded_models:
+            model = lm.model.model if lm.model is not None else None
+            if model is None:
+                continue
+            convs = [
+                m.weight
+                for m in model.modules()
+                if isinstance(m, torch.nn.Conv2d) and m.weight.shape[-2:] != (1, 1)
+            ]
+            cl = [w.is_contiguous(memory_format=torch.channels_last) for w in convs]
+            if type(model).__name__ == "ControlNet":
+                out.setdefault("ControlNet", []).extend(cl)
+            elif hasattr(model, "diffusion_model"):
+                out.setdefault("UNet", []).extend(cl)
+        return out
+
+    seen = []
+    r = runner.Runner()
+    _run(r, WL, 25, VARIANTS["cuda_graph_cl"], on_step=lambda step: seen.append(layouts()))
+    assert seen
+    for got in seen:
+        assert got["ControlNet"] and not any(got["ControlNet"]), got  # left alone
+        assert got["UNet"] and all(got["UNet"]), got  # the model's own did go channels-last

@@ -119,7 +119,9 @@ def test_hint_encoded_once_per_run_outside_the_graph_and_a_new_hint_replays(
     import folder_paths
 
     wl = CASES["1cn"].with_(steps=6)
-    other = wf.write_hint_images(folder_paths.get_input_directory(), wl.with_(controlnets=("a", "b")))
+    other = wf.write_hint_images(
+        folder_paths.get_input_directory(), wl.with_(controlnets=("a", "b"))
+    )
 
     def other_hint(p, ids):
         p[ids["hint_0"]]["inputs"]["image"] = other[1]
