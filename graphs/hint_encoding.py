@@ -15,8 +15,9 @@ before the rest of the network as it is inside the forward), so the result is to
 - ``EncodedHintNet(net)``: stands in for the network while a graph's function runs. Called with
   the hint it was given an encoding for (``use``), it runs a shallow copy of the network whose
   encoder hands that encoding through; any other hint (a caller that sliced the batch, say)
-  runs the real network, as before. Attribute reads reach the real network. ``inner`` can be
-  swapped for a compiled copy of the headless network (compiled mode).
+  runs the whole network, as before. Attribute reads reach the real network. In compiled mode
+  ``inner`` is set to a compiled copy of the headless network, and ``whole`` to a function that
+  gives one of the whole network (called only when a call needs it); None runs them eager.
 
 Plain PyTorch: nothing here imports ComfyUI. The network is held weakly.
 """
@@ -95,6 +96,7 @@ class EncodedHintNet:
             _hint=None,  # the tensor the encoding is of
             _encoded=None,
             inner=None,  # what runs the headless network (None: the copy itself)
+            whole=None,  # network -> what runs it whole, for any other hint (None: itself)
             encoded_calls=0,
             full_calls=0,
         )
@@ -126,8 +128,8 @@ class EncodedHintNet:
         return getattr(net, name)
 
     def __setattr__(self, name, value):
-        if name == "inner":
-            self.__dict__["inner"] = value
+        if name in ("inner", "whole"):
+            self.__dict__[name] = value
         else:
             raise AttributeError(f"EncodedHintNet is read-only ({name})")
 
@@ -144,7 +146,8 @@ class EncodedHintNet:
             if net is None:
                 raise RuntimeError("EncodedHintNet: the network is gone")
             d["full_calls"] += 1
-            return net(*args, **kwargs)
+            run = net if d["whole"] is None else d["whole"](net)
+            return run(*args, **kwargs)
         if "hint" in kwargs:
             kwargs = {**kwargs, "hint": d["_encoded"]}
         else:

@@ -401,7 +401,7 @@ class CudaGraphPatch:
             ]
             e.extras["strength_val"] = [float(cn.strength) for cn in plan.chain]
             e.extras["encoded"] = [
-                _encode_hint(st, cn, h) for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
+                _encode_hint(cn, h) for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
             ]
             e.extras["encoded_run"] = st.run_id
             cur_extras.update(e.extras)
@@ -521,13 +521,12 @@ class CudaGraphPatch:
         return fn
 
 
-def _encode_hint(st, cn, hint) -> torch.Tensor | None:
+def _encode_hint(cn, hint) -> torch.Tensor | None:
     """The ControlNet's hint encoder run on ``hint`` outside the graph, or None when its
     network runs whole inside the graph (no hint this step, or an encoder that cannot run once
     per hint: see graphs/hint_encoding.py)."""
-    if hint is None or st.hint_net(cn.control_model) is None:
-        return None
-    return encode(encoder_of(cn.control_model), hint)
+    encoder = encoder_of(cn.control_model) if hint is not None else None
+    return None if encoder is None else encode(encoder, hint)
 
 
 def _refresh_chain_buffers(entry, chain, st) -> str | None:
@@ -547,7 +546,7 @@ def _refresh_chain_buffers(entry, chain, st) -> str | None:
             srcs[i] = cn.cond_hint
             fresh = True
         if fresh and encoded[i] is not None:
-            enc = _encode_hint(st, cn, hints[i])
+            enc = _encode_hint(cn, hints[i])
             if enc is None or enc.shape != encoded[i].shape:
                 return "a ControlNet's hint encoder changed"
             encoded[i].copy_(enc)
@@ -597,7 +596,11 @@ class _chain_overrides:
                 hn = self.st.hint_net(cn.control_model)
             if hn is not None:
                 hn.use(hints[i], encoded[i])
-                hn.inner = None if self.comp is None else self.comp.model.net_for(hn.headless)
+                if self.comp is None:
+                    hn.inner = hn.whole = None
+                else:  # compiled, also for a hint it has no encoding for (a sliced batch)
+                    hn.inner = self.comp.model.net_for(hn.headless)
+                    hn.whole = self.comp.model.net_for
                 self.encoded_nets.append(hn)
                 cn.control_model = hn
             elif self.comp is not None and cn.control_model is not None:

@@ -124,6 +124,14 @@ def test_any_other_hint_runs_the_whole_network():
     assert (hn.encoded_calls, hn.full_calls) == (0, 2)
     hn.use(None, None)  # cleared: even the same tensor runs the whole network
     assert _equal(net(x, hint, t, ctx), hn(x, hint, t, ctx)) and hn.full_calls == 3
+    # compiled mode hands a maker of the whole network's runner, asked only when needed
+    asked = []
+    hn.whole = lambda n: asked.append(n) or n
+    hn.use(hint, he.encode(he.encoder_of(net), hint))
+    hn(x, hint, t, ctx)
+    assert asked == []
+    assert _equal(net(x[:1], half, t[:1], ctx[:1]), hn(x[:1], half, t[:1], ctx[:1]))
+    assert asked == [net]
 
 
 def test_a_replaced_layer_is_seen_and_the_compiled_copy_is_dropped():

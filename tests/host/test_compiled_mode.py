@@ -150,6 +150,25 @@ def test_compiled_runs_on_channels_last_weights_and_puts_them_back(
         assert w.is_contiguous() and w.data_ptr() == ptr and float(w.double().sum()) == total
 
 
+def test_positive_only_controlnet_runs_compiled_in_the_graph(host, native, tiny_models):
+    """Apply ControlNet (Fused) on the positive half of the CFG batch only: the ControlNet sees
+    half the batch and a hint prepared for it, whose encoding the graph reads; the UNet and the
+    ControlNet without its encoder compile, nothing runs eager, and the result matches the same
+    prompt without graphs."""
+    from comfyui_controlnet_accelerator.harness.quick import _chain, _positive_only
+
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=5)
+    plain, _ = _run(r, wl, 14, _positive_only)
+    got, p = _run(r, wl, 14, _chain(_positive_only, _graph(compile="inductor")))
+    assert runner.psnr(plain.latent, got.latent) >= MIN_PSNR
+    data = _badge(host, p)
+    comp = data["compiled"]
+    assert data["captures"] >= 1 and data["replays"] >= 3, data
+    assert comp["compiles"] == 2 and comp["failed_signatures"] == 0, comp
+    assert comp["eager_calls"] == 0, comp
+
+
 def test_compiled_and_eager_graphs_of_one_model_do_not_share_graphs(host, native, tiny_models):
     """The same model through an eager and a compiled CUDA Graph node: each captures its own
     graph (the compiled one never replays eager kernels, nor the other way round)."""
