@@ -53,6 +53,21 @@ SDXL_SLOTS = [(2, 320, 128, 128)] * 3 + [
 # The GroupNorm inputs of the ResBlocks (in_layers and out_layers see the same shapes).
 SD15_GN = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 16, 16), (2, 1280, 8, 8)]
 SDXL_GN = [(2, 320, 128, 128), (2, 640, 64, 64), (2, 1280, 32, 32), (2, 2560, 32, 32)]
+# The Linear layers' matrix multiplies (tokens M with CFG batch 2, outputs N, inputs K) of the
+# transformer blocks: self-attention q/k/v/out and proj_in/out (C×C), GEGLU (C -> 8C) and the
+# feed-forward's output (4C -> C) at each level, and cross-attention's k/v on the text context
+# (77 tokens, twice).
+SD15_LINEAR = [
+    (8192, 320, 320), (8192, 2560, 320), (8192, 320, 1280),
+    (2048, 640, 640), (2048, 5120, 640), (2048, 640, 2560),
+    (512, 1280, 1280), (512, 10240, 1280), (512, 1280, 5120),
+    (154, 320, 768), (154, 1280, 768),
+]  # fmt: skip
+SDXL_LINEAR = [
+    (8192, 640, 640), (8192, 5120, 640), (8192, 640, 2560),
+    (2048, 1280, 1280), (2048, 10240, 1280), (2048, 1280, 5120),
+    (154, 640, 2048), (154, 1280, 2048),
+]  # fmt: skip
 
 
 def _nbytes(ts) -> int:
@@ -122,8 +137,12 @@ def _stock_merge(nets, strengths_f):
     return out
 
 
-def cases(kernels, reps: int, dev: str = "cuda"):
-    """Yield result dicts."""
+def cases(kernels, reps: int, dev: str = "cuda", only: str | None = None, tiles=None):
+    """Yield result dicts (``only``: the ops whose name starts with it; ``tiles``: int8_linear
+    tile shapes to time besides the default one)."""
+    if only == "int8_linear":
+        yield from _int8_linear_cases(kernels, reps, dev, tiles)
+        return
 
     dt_ = torch.float16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -292,6 +311,51 @@ def cases(kernels, reps: int, dev: str = "cuda"):
             )
             del x
 
+    yield from _int8_linear_cases(kernels, reps, dev, tiles)
+
+
+def _int8_linear_cases(kernels, reps, dev, tiles):
+    # d. The Memory Pool's INT8 Linear: one matrix multiply reading the INT8 weight, against
+    # the path it replaces (the weight expanded to fp16, then PyTorch's F.linear), with stock's
+    # F.linear on the fp16 weight alongside (``fp16_graph_us``).
+    from ..kernels import int8_matmul
+
+    dt_ = torch.float16
+    g = torch.Generator(device=dev).manual_seed(1)
+    for arch, shapes in (("sd15", SD15_LINEAR), ("sdxl", SDXL_LINEAR)):
+        for m, n, k in shapes:
+            x = torch.randn(m, k, generator=g, device=dev).to(dt_)
+            w = (torch.randn(n, k, generator=g, device=dev) * k**-0.5).to(dt_)
+            b = torch.randn(n, generator=g, device=dev).to(dt_) * 0.1
+            scale = (w.float().abs().amax(1) / 127.0).clamp_min(1e-12)
+            q = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            ref = F.linear(x.float(), q.float() * scale[:, None], b.float())
+            err = _rel(kernels.int8_linear(x, q, scale, b), ref.to(dt_))
+            expand = lambda x=x, q=q, s=scale, b=b: F.linear(  # noqa: E731
+                x, kernels.dequant_rows(q, s, dt_), b
+            )
+            fused = lambda x=x, q=q, s=scale, b=b: kernels.int8_linear(x, q, s, b)  # noqa: E731
+            extra = {
+                "fp16_graph_us": _time(lambda x=x, w=w, b=b: F.linear(x, w, b), 20, reps, True),
+                "flops": 2 * m * n * k,
+                "tile": list(int8_matmul.default_config(m, n, k)),
+            }
+            if tiles:
+                extra["tiles_graph_us"] = {
+                    ",".join(map(str, t)): _time(
+                        lambda x=x, q=q, s=scale, b=b, t=t: int8_matmul.linear(x, q, s, b, t),
+                        20,
+                        reps,
+                        True,
+                    )
+                    for t in tiles
+                }
+            traffic = m * k * 2 + n * k + m * n * 2
+            yield _row(
+                f"int8_linear {m}x{n}x{k}", arch, 1, traffic, err, expand, fused, reps, **extra
+            )
+            del x, w, q
+
 
 def _row(op, arch, tensors, traffic, err, torch_fn, cna_fn, reps, err_kind="rel L2", **extra):
     inner = 20
@@ -327,7 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, help="folder for kernels.json and kernels.md (default: print only)"
     )
     ap.add_argument("--reps", type=int, default=15, help="timed repeats per case (default 15)")
+    ap.add_argument("--only", choices=["int8_linear"], default=None, help="run only these cases")
+    ap.add_argument(
+        "--int8-tiles",
+        action="store_true",
+        help="also time int8_linear at each tile shape of a fixed sweep (tiles_graph_us)",
+    )
     return ap
+
+
+# Tile shapes (weight rows, tokens, depth, warps, stages) the --int8-tiles sweep times.
+INT8_TILES = [
+    (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+    (128, 128, 128, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4),
+    (128, 32, 128, 4, 4), (64, 32, 128, 4, 4), (64, 16, 256, 4, 3), (128, 16, 128, 4, 4),
+]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -342,7 +420,12 @@ def main(argv=None) -> int:
     with registry.use_backend("cuda"):
         rate = copy_rate()
         rows = []
-        for r in cases(kernels, a.reps):
+        tiles = None
+        if a.int8_tiles:
+            from ..kernels.int8_matmul import Config
+
+            tiles = [Config(*t) for t in INT8_TILES]
+        for r in cases(kernels, a.reps, only=a.only, tiles=tiles):
             r["frac_copy_rate"] = r["cna_bytes_per_s"] / rate
             rows.append(r)
             print(
@@ -353,6 +436,14 @@ def main(argv=None) -> int:
                 f"({r['speedup_eager']:.2f}x)  {r['frac_copy_rate'] * 100:5.1f}% of copy",
                 flush=True,
             )
+            if "fp16_graph_us" in r:
+                tiles_us = r.get("tiles_graph_us") or {}
+                best = min(tiles_us.items(), key=lambda kv: kv[1], default=("-", float("nan")))
+                print(
+                    f"      fp16 weight (stock) {r['fp16_graph_us']:8.1f} us; tile {r['tile']}; "
+                    f"best swept tile {best[0]} {best[1]:.1f} us",
+                    flush=True,
+                )
     env = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(),

@@ -3,7 +3,8 @@
 plain-PyTorch implementation of every op as the CPU path and the fallback.
 
 Public ops (shapes in their docstrings): ``control_merge``, ``control_merge_add_``,
-``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``group_norm_silu``. ``list_backends()``
+``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``group_norm_silu``, ``int8_linear``
+(a Triton kernel, served with the CUDA backend). ``list_backends()``
 says which backend is usable and why not; ``use_backend("eager")`` forces the fallback.
 Environment: ``CNA_KERNELS=auto|cuda|eager`` (auto: the CUDA kernels once validated on a GPU,
 see ``registry.VALIDATED_SOURCES``), ``CNA_FORCE_EAGER=1`` (never build), ``CNA_KERNELS_VERBOSE=1``
@@ -19,6 +20,7 @@ from .ops import (
     dequant_add_,
     dequant_rows,
     group_norm_silu,
+    int8_linear,
     quantize_int8,
 )
 from .registry import NoCapableBackend, list_backends, mark_unavailable, use_backend
@@ -30,6 +32,7 @@ __all__ = [
     "dequant_add_",
     "dequant_rows",
     "group_norm_silu",
+    "int8_linear",
     "list_backends",
     "mark_unavailable",
     "quantize_int8",

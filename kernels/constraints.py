@@ -39,6 +39,11 @@ CONSTRAINTS: dict[str, dict[str, dict]] = {
         "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT,)},
         "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
     },
+    # A Triton kernel (int8_matmul.py), served with the CUDA backend.
+    "int8_linear": {
+        "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT, torch.int8)},
+        "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
+    },
 }
 
 # CUDA's grid limit in x (every architecture the pack builds for).
@@ -58,6 +63,9 @@ CUDA_LIMITS: dict[str, dict] = {
     # group_norm_silu.cu: grid x = B * groups, C divisible by groups, weight and bias (C,) in
     # x's dtype; the statistics pass splits a group into at most 64 chunks (kMaxChunks).
     "group_norm_silu": {"min_dim": 2, "max_groups_total": _GRID_X, "max_chunks": 64},
+    # int8_matmul.py (Triton): fp16/bf16 input with K a multiple of 16, q a contiguous 2-D
+    # int8 weight, scale float32 (one per row), bias in x's dtype, one device, sm_80 or newer.
+    "int8_linear": {"k_multiple": 16},
 }
 
 
@@ -80,6 +88,7 @@ def cuda_launch_problem(op: str, **a) -> str | None:
     in-place form, else None), strengths; the nets and slots counts here are those of ONE launch.
     ``quantize_int8``: x. ``dequant_add``: hidden, q, scale, strength.
     ``dequant_rows``: q, scale, out. ``group_norm_silu``: x, weight, bias, groups.
+    ``int8_linear``: x, q, scale, bias.
     """
     lim = CUDA_LIMITS[op]
     if op == "control_merge":
@@ -142,4 +151,10 @@ def cuda_launch_problem(op: str, **a) -> str | None:
         if w.device != x.device or b.device != x.device:
             return "weight/bias on another device than x"
         return None
+    if op == "int8_linear":
+        from . import int8_matmul
+
+        return int8_matmul.triton_missing() or int8_matmul.problem(
+            a["x"], a["q"], a["scale"], a["bias"]
+        )
     raise KeyError(op)

@@ -10,10 +10,18 @@ the residuals' device, so changing strength never changes a captured graph.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from . import _jit, constraints, eager, registry
+from . import _jit, constraints, eager, int8_matmul, registry
 
-_OPS = ("control_merge", "quantize_int8", "dequant_add", "dequant_rows", "group_norm_silu")
+_OPS = (
+    "control_merge",
+    "quantize_int8",
+    "dequant_add",
+    "dequant_rows",
+    "group_norm_silu",
+    "int8_linear",
+)
 for _op in _OPS:
     registry.register("eager", _op)
     registry.register("cuda", _op)
@@ -95,8 +103,18 @@ def _register() -> None:
     def _(x, weight, bias, groups, eps):
         return torch.empty_like(x)
 
+    @torch.library.custom_op("cna::int8_linear", mutates_args=())
+    def _int8_linear_op(
+        x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return int8_matmul.linear(x, q, scale, bias)
 
-if not _registered("control_merge"):
+    @_int8_linear_op.register_fake
+    def _(x, q, scale, bias):
+        return x.new_empty((*x.shape[:-1], q.shape[0]))
+
+
+if not _registered("int8_linear"):
     _register()
 
 
@@ -285,3 +303,20 @@ def group_norm_silu(
             x.contiguous(), weight.contiguous(), bias.contiguous(), groups, float(eps)
         )
     return eager.group_norm_silu(x, weight, bias, groups, eps)
+
+
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, q · scale, bias)`` for x (..., K), q int8 (N, K), scale float32 with one
+    value per row: the Memory Pool's INT8 Linear. On CUDA one matrix multiply that reads the
+    INT8 weight directly (``int8_matmul``); elsewhere the weight is expanded to x's dtype first
+    (``dequant_rows``) and multiplied by PyTorch."""
+    if q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]:
+        raise ValueError("int8_linear: q must be 2-D int8 and scale hold one value per row")
+    tensors = [x, q, scale] + ([bias] if bias is not None else [])
+    if registry.select("int8_linear", tensors) == "cuda" and _cuda_ok(
+        "int8_linear", x=x, q=q, scale=scale, bias=bias
+    ):
+        return _cna().int8_linear(x, q, scale.reshape(-1).contiguous(), bias)
+    return F.linear(x, dequant_rows(q, scale, x.dtype), bias)

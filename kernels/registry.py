@@ -43,6 +43,10 @@ _forced = threading.local()
 VALIDATED_SOURCES = "bd3d993d27132745"
 # Ops added after that validation: CUDA only when asked for (CNA_KERNELS=cuda) until theirs pass.
 NOT_YET_VALIDATED: set[str] = set()
+# Ops served by a Triton kernel outside the extension, each validated against the hash of its
+# own source file (``triton_source_hash``), the same way.
+TRITON_SOURCES = {"int8_linear": "int8_matmul.py"}
+VALIDATED_TRITON: dict[str, str] = {}
 
 _MODES = ("auto", "cuda", "eager")
 _mode: str | None = None  # CNA_KERNELS, read once (``refresh_mode`` re-reads it)
@@ -80,12 +84,25 @@ def _sources_validated() -> bool:
         return False
 
 
+def triton_source_hash(op: str) -> str:
+    import hashlib
+    from pathlib import Path
+
+    src = Path(__file__).with_name(TRITON_SOURCES[op])
+    return hashlib.sha256(src.read_bytes()).hexdigest()[:16]
+
+
 def _cuda_by_default(op: str | None = None) -> bool:
     m = mode()
     if m == "eager":
         return False
     if m == "cuda":
         return True
+    if op in TRITON_SOURCES:
+        try:
+            return triton_source_hash(op) == VALIDATED_TRITON.get(op)
+        except OSError:
+            return False
     return _sources_validated() and op not in NOT_YET_VALIDATED
 
 

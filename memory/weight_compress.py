@@ -7,10 +7,12 @@ Plain PyTorch, no ComfyUI import; ``nodes/memory_pool.py`` swaps these modules i
 ComfyUI model through ModelPatcher object patches (the original modules are put back when the
 model is unpatched).
 
-Dequantization is one elementwise kernel per layer call (``kernels.dequant_rows``: the int8
-weight times its row's scale, written straight into a tensor of the input's dtype): it reads 1
-byte and writes 2 per weight. On CUDA it runs one layer ahead on a side stream, overlapping the
-previous layer's compute (``prefetch.py``). PyTorch's own mixed-dtype ``mul`` did the same at
+A Linear layer on CUDA multiplies with its INT8 weight directly (``kernels.int8_linear``, a
+Triton kernel that converts weight tiles in registers): it reads 1 byte per weight where
+stock reads 2. Everywhere else, and for Conv2d layers, dequantization is one elementwise
+kernel per layer call (``kernels.dequant_rows``: the int8 weight times its row's scale,
+written straight into a tensor of the input's dtype): it reads 1 byte and writes 2 per weight,
+in place on the layer's stream. PyTorch's own mixed-dtype ``mul`` did the same at
 about a fifth of the bandwidth on the H200 (+7.4 ms per SD1.5 step with two ControlNets), hence
 the kernel. The dequantized weight is a temporary: the caching allocator (or a CUDA graph's
 pool) reuses its memory for the next layer, so at most a layer or two of fp16 weights exist at
@@ -120,11 +122,15 @@ class _Replaced(torch.nn.Module):
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self._weight_for(x)
+    def _bias_for(self, x: torch.Tensor) -> torch.Tensor | None:
         b = self.bias
         if b is not None and (b.dtype != x.dtype or b.device != x.device):
             b = b.to(device=x.device, dtype=x.dtype, non_blocking=True)
+        return b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self._weight_for(x)
+        b = self._bias_for(x)
         if self.kind == "conv":
             # the conv's memory format follows the input (channels_last stays channels_last)
             return F.conv2d(x, w, b, self.stride, self.padding, self.dilation, self.groups)
@@ -171,7 +177,12 @@ class _Int8Weight(_Replaced):
 
 
 class Int8Linear(_Int8Weight):
-    pass
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q.device != x.device:  # low-VRAM: the weight is copied per call, then expanded
+            return super().forward(x)
+        # On CUDA one matrix multiply reading the INT8 weight (no fp16 copy of it); elsewhere
+        # the expansion then F.linear, as for convolutions.
+        return kernels.int8_linear(x, self.q, self.scale, self._bias_for(x))
 
 
 class Int8Conv2d(_Int8Weight):
