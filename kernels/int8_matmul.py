@@ -16,6 +16,11 @@ on first use per configuration and cached on disk by Triton. The weight is the l
 from registers, where the conversion leaves it, and the activations from shared memory;
 the small token counts of cross-attention's context (77–154 rows) then fit a narrow tile.
 
+On the H200 it is slower than the expansion followed by cuBLAS's fp16 GEMM at almost every SD
+shape (docs/benchmarks.md, Kernels): cuBLAS's GEMM outruns this kernel by far more than the
+expansion costs. It is therefore not chosen by default (``registry.VALIDATED_TRITON``);
+``CNA_KERNELS=cuda`` selects it.
+
 Numerics against the expansion path: the weight times its scale is not rounded to fp16 here
 (it is exact in fp32), so results differ from ``F.linear(x, dequant_rows(q, s))`` by the
 expansion's own fp16 rounding, a few units in the last place of the output.

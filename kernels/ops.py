@@ -309,9 +309,10 @@ def int8_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear(x, q · scale, bias)`` for x (..., K), q int8 (N, K), scale float32 with one
-    value per row: the Memory Pool's INT8 Linear. On CUDA one matrix multiply that reads the
-    INT8 weight directly (``int8_matmul``); elsewhere the weight is expanded to x's dtype first
-    (``dequant_rows``) and multiplied by PyTorch."""
+    value per row: the Memory Pool's INT8 Linear. With the CUDA backend chosen for it (only
+    under ``CNA_KERNELS=cuda``: see ``registry.VALIDATED_TRITON``) one matrix multiply that
+    reads the INT8 weight directly (``int8_matmul``); otherwise the weight is expanded to x's
+    dtype first (``dequant_rows``) and multiplied by PyTorch."""
     if q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]:
         raise ValueError("int8_linear: q must be 2-D int8 and scale hold one value per row")
     tensors = [x, q, scale] + ([bias] if bias is not None else [])

@@ -7,12 +7,13 @@ Plain PyTorch, no ComfyUI import; ``nodes/memory_pool.py`` swaps these modules i
 ComfyUI model through ModelPatcher object patches (the original modules are put back when the
 model is unpatched).
 
-A Linear layer on CUDA multiplies with its INT8 weight directly (``kernels.int8_linear``, a
-Triton kernel that converts weight tiles in registers): it reads 1 byte per weight where
-stock reads 2. Everywhere else, and for Conv2d layers, dequantization is one elementwise
-kernel per layer call (``kernels.dequant_rows``: the int8 weight times its row's scale,
-written straight into a tensor of the input's dtype): it reads 1 byte and writes 2 per weight,
-in place on the layer's stream. PyTorch's own mixed-dtype ``mul`` did the same at
+Each layer call dequantizes its weight, then runs the stock Linear or Conv2d. A Linear layer
+goes through ``kernels.int8_linear``: by default that is this expansion followed by
+``F.linear``; with ``CNA_KERNELS=cuda`` it is a Triton kernel reading the INT8 weight directly,
+which on the H200 is slower than expanding (docs/benchmarks.md, Kernels). Dequantization is
+one elementwise kernel per layer call (``kernels.dequant_rows``: the int8 weight times its
+row's scale, written straight into a tensor of the input's dtype): it reads 1 byte and writes 2
+per weight, in place on the layer's stream. PyTorch's own mixed-dtype ``mul`` did the same at
 about a fifth of the bandwidth on the H200 (+7.4 ms per SD1.5 step with two ControlNets), hence
 the kernel. The dequantized weight is a temporary: the caching allocator (or a CUDA graph's
 pool) reuses its memory for the next layer, so at most a layer or two of fp16 weights exist at
@@ -180,8 +181,8 @@ class Int8Linear(_Int8Weight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q.device != x.device:  # low-VRAM: the weight is copied per call, then expanded
             return super().forward(x)
-        # On CUDA one matrix multiply reading the INT8 weight (no fp16 copy of it); elsewhere
-        # the expansion then F.linear, as for convolutions.
+        # The expansion then F.linear, as for convolutions; with CNA_KERNELS=cuda one matrix
+        # multiply reading the INT8 weight (kernels.int8_linear says which).
         return kernels.int8_linear(x, self.q, self.scale, self._bias_for(x))
 
 

@@ -154,7 +154,12 @@ def test_quantizing_on_the_gpu_gives_the_cpu_result():
             f"{(d > 0).float().mean().item():.3g} of values differ"
         )
         assert scale_err <= 1.2e-7 and d.max().item() <= 1, msg
-        assert (d > 0).float().mean().item() <= 1e-4, msg
+        # every differing value sits on a rounding boundary: w/scale is within the two devices'
+        # float32 rounding (scale and quotient, a few parts in 1e7) of a half-integer
+        x = w.double().reshape(w.shape[0], -1) / s_cpu.double().reshape(-1, 1)
+        off_half = (x - x.floor() - 0.5).abs().reshape(d.shape)
+        assert (off_half[d > 0] <= 5e-7 * x.abs().reshape(d.shape)[d > 0] + 1e-9).all(), msg
+        assert (d > 0).float().mean().item() <= 1e-3, msg
         err = (q_gpu.float() * s_gpu - w.float()).abs()
         assert (err <= s_gpu * (0.5 + 1e-4)).all(), msg
 
