@@ -60,21 +60,27 @@ class _Encoded(torch.nn.Module):
         return hint
 
 
-def _headless(net: torch.nn.Module) -> torch.nn.Module:
-    """A shallow copy of ``net`` (same class, same layers and weights, not copied) whose
-    encoder hands its input through."""
+def with_encoder(net: torch.nn.Module, encoder: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``net`` (same class, same layers and weights, not copied) whose hint
+    encoder is ``encoder``; ``net`` itself is left as it is."""
     view = type(net).__new__(type(net))
     view.__dict__.update(net.__dict__)
     view._modules = dict(net._modules)
-    view._modules[ENCODER_ATTR] = _Encoded()
+    view._modules[ENCODER_ATTR] = encoder
     view._parameters = dict(net._parameters)
     view._buffers = dict(net._buffers)
     return view
 
 
-def _same_layers(view: torch.nn.Module, net: torch.nn.Module) -> bool:
-    """Whether ``view`` still shares every layer, parameter and buffer of ``net`` (a patch that
-    replaced one of the network's direct children makes a new copy)."""
+def _headless(net: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of ``net`` whose encoder hands its input through."""
+    return with_encoder(net, _Encoded())
+
+
+def same_layers(view: torch.nn.Module, net: torch.nn.Module) -> bool:
+    """Whether ``view`` (made by ``with_encoder``) still shares every layer, parameter and
+    buffer of ``net`` but the encoder (a patch that replaced one of the network's direct
+    children makes a new copy)."""
     for name in ("_modules", "_parameters", "_buffers"):
         a, b = view.__dict__[name], net.__dict__[name]
         if a.keys() != b.keys():
@@ -111,7 +117,7 @@ class EncodedHintNet:
         since (then ``inner`` is cleared: a compiled copy of the old one no longer applies)."""
         net = self.real
         view = self.__dict__["_view"]
-        if net is not None and not _same_layers(view, net):
+        if net is not None and not same_layers(view, net):
             view = self.__dict__["_view"] = _headless(net)
             self.__dict__["inner"] = None
         return view

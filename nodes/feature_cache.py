@@ -46,7 +46,7 @@ from ..memory.feature_cache import (
     step_of,
 )
 from . import status
-from .fused_apply import FusedControlNet, network_batch
+from .fused_apply import FusedControlNet, network_batch, network_of
 from .step_control import StepControl, step_control
 
 _lock = threading.Lock()
@@ -176,7 +176,7 @@ class CachedControlNet(FusedControlNet):
     def _pool(self, network=None) -> StorePool:
         """The pool of the network (the real one: inside ``get_control`` ``control_model`` is
         the caching proxy)."""
-        net = network if network is not None else self.control_model
+        net = network_of(network) if network is not None else self.control_model
         return _pool_for(net, self.cache_settings.cfg.storage)
 
     def cleanup(self):

@@ -7,9 +7,10 @@ duck-types control objects; this is the documented extension point) and changes 
 
 1. **Hint encoded once per sampling run.** The ControlNet's ``input_hint_block`` depends only
    on the hint image (its layers are convolutions and SiLU; ``emb``/``context`` are ignored), yet
-   stock ComfyUI recomputes it at every step. We run the stock forward with that block swapped,
-   for the duration of the call, for a stand-in that returns the encoding cached for this exact
-   hint tensor (same object, address, shape, dtype and device). Bit-identical to stock.
+   stock ComfyUI recomputes it at every step. The stock body runs a shallow copy of the network
+   (same class, layers and weights; graphs/hint_encoding.py ``with_encoder``) whose encoder is a
+   stand-in that returns the encoding cached for this exact hint tensor (same object, address,
+   shape, dtype and device). The network itself is never modified. Bit-identical to stock.
 2. **One merge for the chain.** Consecutive fused ControlNets of a chain are evaluated as a
    group: each runs its stock ``get_control`` body unscaled (hint preparation, conditioning,
    forward all exactly as ComfyUI does them), then every residual slot of every active net is
@@ -33,10 +34,12 @@ State: ``fused_settings`` (what the Apply node chose; frozen, carried by ``copy`
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 
 from ..errors import NodeInputError
+from ..graphs import hint_encoding
 from ..kernels import control_merge as fused_merge
 from ..logger import logger
 from . import status
@@ -69,14 +72,28 @@ def why_not_fusable(control_net) -> str | None:
     return None
 
 
-class _CachedHintBlock:
-    """Stands in for ``input_hint_block`` during one forward; encodes on a cache miss."""
+_SOURCE = "_cna_hint_source"  # on a network copy made by _hint_net: the network it copies
 
-    def __init__(self, owner: FusedControlNet, block):
-        self.owner, self.block = owner, block
 
-    def __call__(self, hint, emb, context):
-        run = self.owner._run
+def network_of(net):
+    """The network ``net`` is a hint-caching copy of (``FusedControlNet._hint_net``), or
+    ``net`` itself."""
+    ref = getattr(net, "__dict__", {}).get(_SOURCE)
+    real = ref() if ref is not None else None
+    return real if real is not None else net
+
+
+class _CachedHintBlock(torch.nn.Module):
+    """The hint encoder of the network copy the stock body runs (``FusedControlNet._hint_net``):
+    hands back this run's encoding of the same hint tensor; encodes on a miss."""
+
+    def __init__(self, run: FusedRun, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+        self.__dict__["_fused_run"] = run  # plain state, not a submodule
+
+    def forward(self, hint, emb, context):
+        run = self.__dict__["_fused_run"]
         # No version counter here: ComfyUI samples under inference_mode, whose tensors have
         # none. ComfyUI never edits a prepared hint in place (it replaces the tensor), and
         # _hint_src keeps the keyed tensor alive so its id and address cannot be reused.
@@ -127,6 +144,8 @@ class FusedControlNet(_Base):
         self.fused_settings = FusedSettings()
         self._run = FusedRun()
         self._raw = False  # during one get_control: control_merge hands back the raw output
+        # (network, weakly; its copy with the caching encoder): see _hint_net
+        self._hint_view: tuple | None = None
 
     @classmethod
     def from_controlnet(cls, cn, settings: FusedSettings | None = None) -> FusedControlNet:
@@ -229,19 +248,37 @@ class FusedControlNet(_Base):
         saved = (self.previous_controlnet, self.timestep_range, self._raw)
         self.previous_controlnet, self.timestep_range, self._raw = None, None, raw
         ctl = step_control(transformer_options)
-        swapped = ctl is None or not ctl.graph
-        if swapped:
-            model.__dict__["input_hint_block"] = _CachedHintBlock(self, model.input_hint_block)
-        self.control_model = self._wrap_model(model, t, transformer_options)
+        net = model if ctl is not None and ctl.graph else self._hint_net(model)
+        self.control_model = self._wrap_model(net, t, transformer_options)
         try:
             return _cn.ControlNet.get_control(
                 self, x_noisy, t, cond, batched_number, transformer_options
             )
         finally:
             self.control_model = model
-            if swapped:
-                model.__dict__.pop("input_hint_block", None)
             self.previous_controlnet, self.timestep_range, self._raw = saved
+
+    def _hint_net(self, model):
+        """``model`` with this run's hint-encoding cache as its encoder: a shallow copy made
+        once per network and kept while it shares the network's layers (a patch that replaces
+        a direct child, or the encoder, makes a new one). ``model`` if it has no encoder
+        module to stand in for."""
+        block = getattr(model, "_modules", {}).get("input_hint_block")
+        if not isinstance(model, torch.nn.Module) or not isinstance(block, torch.nn.Module):
+            return model
+        held = self._hint_view
+        if held is not None:
+            ref, view = held
+            if (
+                ref() is model
+                and view._modules["input_hint_block"].block is block
+                and hint_encoding.same_layers(view, model)
+            ):
+                return view
+        view = hint_encoding.with_encoder(model, _CachedHintBlock(self._run, block))
+        view.__dict__[_SOURCE] = weakref.ref(model)
+        self._hint_view = (weakref.ref(model), view)
+        return view
 
     def _wrap_model(self, model, t, transformer_options):
         """What ``get_control`` calls as its network (subclasses put a cache in between)."""

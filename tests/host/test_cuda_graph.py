@@ -507,7 +507,7 @@ def test_join_on_use_waits_only_for_residuals_it_hands_out(host):
 # What the pack's own ControlNet classes add to ComfyUI's: their settings (fixed when the Apply
 # or Cache node makes the object) and their per-run holders. Anything else left on an object
 # after a run is state that leaked onto ComfyUI's objects.
-PACK_ATTRS = {"fused_settings", "_run", "_raw", "cache_settings", "_crun"}
+PACK_ATTRS = {"fused_settings", "_run", "_raw", "_hint_view", "cache_settings", "_crun"}
 
 
 def test_a_run_leaves_nothing_on_comfyuis_objects(host, tiny_models):

@@ -131,6 +131,42 @@ def test_unsupported_kind_runs_stock_path_with_one_log_line(host, tiny_models, c
     assert sum("runs the stock path" in r.message for r in caplog.records) <= 1
 
 
+def test_the_network_comfyui_holds_is_never_modified(host, tiny_models, monkeypatch):
+    """The hint cache runs a copy of the network with a caching encoder: while it encodes, the
+    network ComfyUI loaded still has its own encoder and no attribute of the pack's, and the
+    copy is made once per network, not per step."""
+    fa = _fa(host)
+    made, seen = [], []
+    real_hint_net, real_forward = fa.FusedControlNet._hint_net, fa._CachedHintBlock.forward
+
+    def hint_net(self, model):
+        view = real_hint_net(self, model)
+        if view is not model and all(view is not v for _, v in made):
+            made.append((model, view))
+        return view
+
+    def forward(self, hint, emb, context):
+        for model, _ in made:
+            seen.append(
+                ("input_hint_block" in vars(model), type(model._modules["input_hint_block"]))
+            )
+        return real_forward(self, hint, emb, context)
+
+    monkeypatch.setattr(fa.FusedControlNet, "_hint_net", hint_net)
+    monkeypatch.setattr(fa._CachedHintBlock, "forward", forward)
+    wl = wf.WORKLOADS["T2"].with_(steps=4)
+    r = runner.Runner()
+    stock = _run(r, wl, 33)
+    fused = _run(r, wl, 33, FUSED)
+    _close(host, stock, fused)
+    assert len(made) == len(wl.controlnets), made  # one copy per network for the whole run
+    assert seen and all(not attr for attr, _ in seen), seen
+    assert all(issubclass(kind, torch.nn.Sequential) for _, kind in seen), seen
+    for model, view in made:
+        assert fa.network_of(view) is model and fa.network_of(model) is model
+        assert view._modules["input_hint_block"].block is model._modules["input_hint_block"]
+
+
 def test_fused_object_survives_copy_and_cleanup(host, tiny_models):
     import comfy.controlnet
 
