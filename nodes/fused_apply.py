@@ -73,6 +73,7 @@ def why_not_fusable(control_net) -> str | None:
 
 
 _SOURCE = "_cna_hint_source"  # on a network copy made by _hint_net: the network it copies
+_VIEW_OWN = frozenset({"_modules", "_parameters", "_buffers", "input_hint_block", _SOURCE})
 
 
 def network_of(net):
@@ -274,6 +275,10 @@ class FusedControlNet(_Base):
                 and view._modules["input_hint_block"].block is block
                 and hint_encoding.same_layers(view, model)
             ):
+                # the network's own plain attributes as they are now (a loader may set some)
+                view.__dict__.update(
+                    (k, v) for k, v in model.__dict__.items() if k not in _VIEW_OWN
+                )
                 return view
         view = hint_encoding.with_encoder(model, _CachedHintBlock(self._run, block))
         view.__dict__[_SOURCE] = weakref.ref(model)
