@@ -10,9 +10,11 @@ and the front end. What each op accepts (dtypes, devices) is data in ``constrain
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -88,9 +90,7 @@ def _sources_validated() -> bool:
 
 
 def triton_source_hash(op: str) -> str:
-    import hashlib
-    from pathlib import Path
-
+    """The hash ``VALIDATED_TRITON`` records for ``op``'s Triton source file."""
     src = Path(__file__).with_name(TRITON_SOURCES[op])
     return hashlib.sha256(src.read_bytes()).hexdigest()[:16]
 
