@@ -145,8 +145,7 @@ class FusedControlNet(_Base):
         self.fused_settings = FusedSettings()
         self._run = FusedRun()
         self._raw = False  # during one get_control: control_merge hands back the raw output
-        # (network, weakly; its copy with the caching encoder): see _hint_net
-        self._hint_view: tuple | None = None
+        self._hint_view = None  # the network's copy with the caching encoder: see _hint_net
 
     @classmethod
     def from_controlnet(cls, cn, settings: FusedSettings | None = None) -> FusedControlNet:
@@ -267,22 +266,19 @@ class FusedControlNet(_Base):
         block = getattr(model, "_modules", {}).get("input_hint_block")
         if not isinstance(model, torch.nn.Module) or not isinstance(block, torch.nn.Module):
             return model
-        held = self._hint_view
-        if held is not None:
-            ref, view = held
-            if (
-                ref() is model
-                and view._modules["input_hint_block"].block is block
-                and hint_encoding.same_layers(view, model)
-            ):
-                # the network's own plain attributes as they are now (a loader may set some)
-                view.__dict__.update(
-                    (k, v) for k, v in model.__dict__.items() if k not in _VIEW_OWN
-                )
-                return view
+        view = self._hint_view
+        if (
+            view is not None
+            and network_of(view) is model
+            and view._modules["input_hint_block"].block is block
+            and hint_encoding.same_layers(view, model)
+        ):
+            # the network's own plain attributes as they are now (a loader may set some)
+            view.__dict__.update((k, v) for k, v in model.__dict__.items() if k not in _VIEW_OWN)
+            return view
         view = hint_encoding.with_encoder(model, _CachedHintBlock(self._run, block))
         view.__dict__[_SOURCE] = weakref.ref(model)
-        self._hint_view = (weakref.ref(model), view)
+        self._hint_view = view
         return view
 
     def _wrap_model(self, model, t, transformer_options):
