@@ -3,7 +3,8 @@
 plain-PyTorch implementation of every op as the CPU path and the fallback.
 
 Public ops (shapes in their docstrings): ``control_merge``, ``control_merge_add_``,
-``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``group_norm_silu``, ``int8_linear``
+``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``group_norm_silu``, ``group_norm_nhwc``
+(channels-last, compiled mode's layout), ``int8_linear``
 (a Triton kernel, served with the CUDA backend). ``list_backends()``
 says which backend is usable and why not; ``use_backend("eager")`` forces the fallback.
 Environment: ``CNA_KERNELS=auto|cuda|eager`` (auto: the CUDA kernels once validated on a GPU,
@@ -19,6 +20,7 @@ from .ops import (
     control_merge_add_,
     dequant_add_,
     dequant_rows,
+    group_norm_nhwc,
     group_norm_silu,
     int8_linear,
     quantize_int8,
@@ -31,6 +33,7 @@ __all__ = [
     "control_merge_add_",
     "dequant_add_",
     "dequant_rows",
+    "group_norm_nhwc",
     "group_norm_silu",
     "int8_linear",
     "list_backends",

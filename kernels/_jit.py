@@ -33,7 +33,13 @@ from ..logger import logger
 from . import registry
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = ["bindings.cpp", "ops/control_merge.cu", "ops/quant_int8.cu", "ops/group_norm_silu.cu"]
+SOURCES = [
+    "bindings.cpp",
+    "ops/control_merge.cu",
+    "ops/quant_int8.cu",
+    "ops/group_norm_silu.cu",
+    "ops/group_norm_nhwc.cu",
+]
 HEADERS = ["common.cuh"]
 # The C++ standard is left to torch (C++17 up to 2.12, C++20 from 2.13).
 CFLAGS = ["-O3"]

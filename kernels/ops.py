@@ -20,6 +20,7 @@ _OPS = (
     "dequant_add",
     "dequant_rows",
     "group_norm_silu",
+    "group_norm_nhwc",
     "int8_linear",
 )
 for _op in _OPS:
@@ -103,6 +104,28 @@ def _register() -> None:
     def _(x, weight, bias, groups, eps):
         return torch.empty_like(x)
 
+    # GroupNorm (+ SiLU) on a channels-last activation, the layout compiled mode keeps: the
+    # CUDA kernel on a GPU, PyTorch elsewhere; the output is channels-last either way (the fake
+    # says so, and inductor plans its buffers from the fake).
+    @torch.library.custom_op("cna::group_norm_nhwc", mutates_args=())
+    def _group_norm_nhwc_op(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor,
+        groups: int,
+        eps: float,
+        silu: bool,
+    ) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+            return _jit.module().group_norm_nhwc(x, weight, bias, groups, eps, silu)
+        return eager.group_norm_act(x, weight, bias, groups, eps, silu).contiguous(
+            memory_format=torch.channels_last
+        )
+
+    @_group_norm_nhwc_op.register_fake
+    def _(x, weight, bias, groups, eps, silu):
+        return torch.empty_like(x, memory_format=torch.channels_last)
+
     @torch.library.custom_op("cna::int8_linear", mutates_args=())
     def _int8_linear_op(
         x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
@@ -114,7 +137,7 @@ def _register() -> None:
         return x.new_empty((*x.shape[:-1], q.shape[0]))
 
 
-if not _registered("int8_linear"):
+if not _registered("group_norm_nhwc"):
     _register()
 
 
@@ -303,6 +326,32 @@ def group_norm_silu(
             x.contiguous(), weight.contiguous(), bias.contiguous(), groups, float(eps)
         )
     return eager.group_norm_silu(x, weight, bias, groups, eps)
+
+
+def group_norm_nhwc(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    groups: int = 32,
+    eps: float = 1e-5,
+    silu: bool = False,
+) -> torch.Tensor:
+    """GroupNorm(x), then SiLU if ``silu``, for a channels-last x (B, C, H, W); weight, bias
+    (C,) in x's dtype. The result is channels-last. On CUDA one pass of statistics over whole
+    pixel rows (``csrc/ops/group_norm_nhwc.cu``); elsewhere, or outside the kernel's limits,
+    PyTorch's GroupNorm."""
+    if x.dim() != 4 or groups <= 0 or x.shape[1] % groups:
+        raise ValueError(f"group_norm_nhwc: x {tuple(x.shape)} needs (B, C, H, W), C % {groups}")
+    x = x.contiguous(memory_format=torch.channels_last)
+    if registry.select("group_norm_nhwc", [x, weight, bias]) == "cuda" and _cuda_ok(
+        "group_norm_nhwc", x=x, weight=weight, bias=bias, groups=groups
+    ):
+        return _cna().group_norm_nhwc(
+            x, weight.contiguous(), bias.contiguous(), groups, float(eps), bool(silu)
+        )
+    return eager.group_norm_act(x, weight, bias, groups, eps, silu).contiguous(
+        memory_format=torch.channels_last
+    )
 
 
 def int8_linear(

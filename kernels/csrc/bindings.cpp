@@ -16,6 +16,8 @@ void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::T
 void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weight,
                               const torch::Tensor& bias, int64_t groups, double eps);
+torch::Tensor group_norm_nhwc(const torch::Tensor& x, const torch::Tensor& weight,
+                              const torch::Tensor& bias, int64_t groups, double eps, bool silu);
 }  // namespace cna
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -26,4 +28,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_add_", &cna::dequant_add_, "h += strength * q * scale[b, c]");
   m.def("dequant_rows_", &cna::dequant_rows_, "out[r, k] = q[r, k] * scale[r]");
   m.def("group_norm_silu", &cna::group_norm_silu, "SiLU(GroupNorm(x))");
+  m.def("group_norm_nhwc", &cna::group_norm_nhwc, "GroupNorm(x) [+ SiLU], x channels-last");
 }

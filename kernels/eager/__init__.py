@@ -78,3 +78,16 @@ def group_norm_silu(
     in another dtype than x (fp32 norms on fp16 activations) are cast to x's, as CUDA's
     GroupNorm requires."""
     return F.silu(F.group_norm(x, groups, weight.to(x.dtype), bias.to(x.dtype), eps))
+
+
+def group_norm_act(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    groups: int = 32,
+    eps: float = 1e-5,
+    silu: bool = False,
+) -> torch.Tensor:
+    """GroupNorm(x), then SiLU if ``silu``; affine parameters cast to x's dtype."""
+    y = F.group_norm(x, groups, weight.to(x.dtype), bias.to(x.dtype), eps)
+    return F.silu(y) if silu else y
