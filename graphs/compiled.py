@@ -90,7 +90,10 @@ class CompileOptions:
     sizes (size 0/1 and rank still split). ``cache_dir``: the on-disk cache (None:
     ``compile_cache_dir()``). ``inductor_options``: extra ``torch._inductor.config`` settings
     as (name, value) pairs; CUDA-graph settings among them are ignored. ``freezing`` is best
-    left off: it folds the weights into the compiled code, which then misses weight changes."""
+    left off: it folds the weights into the compiled code, which then misses weight changes.
+    ``graph_passes``: callables run in order on each FX graph dynamo hands the backend, before
+    inductor; each edits the graph in place and returns a line for the log (what it changed)
+    or None. A pass that raises fails that compile (the signature then runs eager)."""
 
     mode: str = "default"
     dynamic: str = "static"
@@ -98,6 +101,7 @@ class CompileOptions:
     cache_dir: str | None = None
     backend: str = "inductor"
     inductor_options: tuple[tuple[str, object], ...] = ()
+    graph_passes: tuple[Callable[[torch.fx.GraphModule], str | None], ...] = ()
 
     def __post_init__(self):
         for field, value, allowed in (
@@ -659,6 +663,10 @@ class CompiledModule:
         self.graphs += 1
         label, t0 = self._current or ("?", time.perf_counter())
         self._progress("lowering", label, time.perf_counter() - t0, self.graphs)
+        for graph_pass in self.options.graph_passes:
+            said = graph_pass(gm)
+            if said:
+                logger.info("%s: %s, graph %d: %s", self.name, label, self.graphs, said)
         if self.options.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
@@ -819,6 +827,7 @@ def options_from_torch_compile(
         cache_dir=base.cache_dir,
         backend=backend,
         inductor_options=tuple(sorted(extra.items())),
+        graph_passes=base.graph_passes,
     )
     return opts, notes
 

@@ -49,6 +49,7 @@ from ..graphs.compiled import (
     CompileProgress,
     options_from_torch_compile,
 )
+from ..kernels.fx_rewrites import GroupNormRewrite
 from ..logger import logger
 
 COMPILE_RUN_KEY = "cna.compile_run"  # transformer_options entry: the run's CompileRun
@@ -56,12 +57,17 @@ TORCH_COMPILE_KEY = "torch.compile"  # ComfyUI's TorchCompileModel wrapper key (
 TORCH_COMPILE_KWARGS = "torch_compile_kwargs"  # where that node keeps its settings
 BACKEND_ENV = "CNA_COMPILE_BACKEND"  # inductor (default); aot_eager traces without codegen
 
+# Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
+# runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.
+GRAPH_PASSES = (GroupNormRewrite(),)
 # The node's choices. max-autotune tries several kernels per GEMM/conv on the first compile of a
 # shape (longer compile, sometimes faster steps); inductor's own CUDA graphs stay off in both.
 CHOICES: dict[str, CompileOptions | None] = {
     "off": None,
-    "inductor": CompileOptions(),
-    "inductor max-autotune": CompileOptions(mode="max-autotune-no-cudagraphs"),
+    "inductor": CompileOptions(graph_passes=GRAPH_PASSES),
+    "inductor max-autotune": CompileOptions(
+        mode="max-autotune-no-cudagraphs", graph_passes=GRAPH_PASSES
+    ),
 }
 MAX_MODULES = 8  # compiled networks per model: the UNet and up to 7 ControlNets
 MAX_SHAPES = 4  # input signatures (resolution, batch) kept compiled per network
@@ -231,7 +237,9 @@ def begin_run(
     if TORCH_COMPILE_KEY in wrappers:
         wrappers.pop(TORCH_COMPILE_KEY)  # the run's copy only (create_model_options_clone)
         if options is None:
-            options, notes = options_from_torch_compile(model_options.get(TORCH_COMPILE_KWARGS))
+            options, notes = options_from_torch_compile(
+                model_options.get(TORCH_COMPILE_KWARGS), CHOICES["inductor"]
+            )
             source = "TorchCompileModel"
             _log_once(
                 ("adopt", options),
