@@ -146,6 +146,9 @@ def cases(kernels, reps: int, dev: str = "cuda", only: str | None = None, tiles=
     if only == "group_norm_nhwc":
         yield from _group_norm_nhwc_cases(kernels, reps, dev)
         return
+    if only == "fp8_linear":
+        yield from _fp8_linear_cases(reps, dev)
+        return
 
     dt_ = torch.float16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -355,6 +358,68 @@ def _group_norm_nhwc_cases(kernels, reps, dev):
         del x
 
 
+_E4M3 = getattr(torch, "float8_e4m3fn", None)
+
+
+def _fp8_quant(t: torch.Tensor, rowwise: bool):
+    """t (R, K) -> (e4m3 values, float32 scale): one scale per row, or one for the tensor."""
+    amax = t.float().abs().amax(dim=1, keepdim=True) if rowwise else t.float().abs().amax()
+    scale = amax.clamp(min=1e-12) / torch.finfo(_E4M3).max
+    return (t.float() / scale).to(_E4M3), scale
+
+
+def _fp8_linear(x, w8t, sw, b, rowwise: bool):
+    """F.linear with the activation quantized at run time (per token, or per tensor) and the
+    weight already e4m3 (per output channel, or per tensor), fp16 out."""
+    x8, sx = _fp8_quant(x, rowwise)
+    return torch._scaled_mm(x8, w8t, scale_a=sx, scale_b=sw, bias=b, out_dtype=x.dtype)
+
+
+def _fp8_linear_cases(reps, dev):
+    # f. FP8 (e4m3) matrix multiplies for an FP8 mode, against fp16 F.linear, each compiled by
+    # inductor so that quantizing the activation fuses as it would in compiled mode. Row-wise:
+    # a scale per token and per output channel; tensor-wise: one each. err: relative L2 against
+    # an fp64 product of the fp16 operands (fp16 alone: its rounding).
+    if _E4M3 is None or not hasattr(torch, "_scaled_mm"):
+        return
+    dt_ = torch.float16
+    g = torch.Generator(device=dev).manual_seed(3)
+    f16 = torch.compile(lambda x, w, b: F.linear(x, w, b))
+    rows = torch.compile(lambda x, w8t, sw, b: _fp8_linear(x, w8t, sw, b, True))
+    tens = torch.compile(lambda x, w8t, sw, b: _fp8_linear(x, w8t, sw, b, False))
+    for arch, shapes in (("sd15", SD15_LINEAR), ("sdxl", SDXL_LINEAR)):
+        for m, n, k in shapes:
+            if m % 16 or n % 16 or k % 16:
+                continue  # _scaled_mm's alignment
+            x = torch.randn(m, k, generator=g, device=dev).to(dt_)
+            w = (torch.randn(n, k, generator=g, device=dev) * k**-0.5).to(dt_)
+            b = torch.randn(n, generator=g, device=dev).to(dt_) * 0.1
+            ref = F.linear(x.double(), w.double(), b.double())
+            w8r, swr = _fp8_quant(w, True)
+            w8t, swt = _fp8_quant(w, False)
+            args_r = (x, w8r.t(), swr.t().contiguous(), b)
+            args_t = (x, w8t.t(), swt, b)
+            extra = {
+                "flops": 2 * m * n * k,
+                "fp16_err": _rel(f16(x, w, b), ref),
+                "rowwise_err": _rel(rows(*args_r), ref),
+                "tensorwise_err": _rel(tens(*args_t), ref),
+                "tensorwise_graph_us": _time(lambda a=args_t: tens(*a), 20, reps, True),
+            }
+            yield _row(
+                f"fp8_linear {m}x{n}x{k} rowwise",
+                arch,
+                1,
+                m * k * 2 + n * k + m * n * 2,
+                extra["rowwise_err"],
+                lambda x=x, w=w, b=b: f16(x, w, b),
+                lambda a=args_r: rows(*a),
+                reps,
+                **extra,
+            )
+            del x, w
+
+
 def _int8_linear_cases(kernels, reps, dev, tiles):
     # d. The Memory Pool's INT8 Linear: one matrix multiply reading the INT8 weight, against
     # the path it replaces (the weight expanded to fp16, then PyTorch's F.linear), with stock's
@@ -434,10 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=15, help="timed repeats per case (default 15)")
     ap.add_argument(
         "--only",
-        choices=["int8_linear", "group_norm_nhwc"],
+        choices=["int8_linear", "group_norm_nhwc", "fp8_linear"],
         default=None,
         help="run only these cases (group_norm_nhwc: against inductor's GroupNorm, the path it "
-        "replaces in compiled mode; only with this option)",
+        "replaces in compiled mode; fp8_linear: e4m3 matrix multiplies, row-wise and "
+        "tensor-wise scales, against fp16, for an FP8 mode; both only with this option)",
     )
     ap.add_argument(
         "--int8-tiles",
@@ -483,6 +549,13 @@ def main(argv=None) -> int:
                 f"({r['speedup_eager']:.2f}x)  {r['frac_copy_rate'] * 100:5.1f}% of copy",
                 flush=True,
             )
+            if "tensorwise_graph_us" in r:
+                print(
+                    f"      tensor-wise {r['tensorwise_graph_us']:8.1f} us; err fp16 "
+                    f"{r['fp16_err']:.1e} row-wise {r['rowwise_err']:.1e} tensor-wise "
+                    f"{r['tensorwise_err']:.1e}",
+                    flush=True,
+                )
             if "fp16_graph_us" in r:
                 tiles_us = r.get("tiles_graph_us") or {}
                 best = min(tiles_us.items(), key=lambda kv: kv[1], default=("-", float("nan")))
