@@ -150,6 +150,41 @@ def test_compiled_runs_on_channels_last_weights_and_puts_them_back(
         assert w.is_contiguous() and w.data_ptr() == ptr and float(w.double().sum()) == total
 
 
+def test_group_norms_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
+    host, native, tiny_models, monkeypatch
+):
+    """The GroupNorm rewrite on ComfyUI's own UNet and ControlNet (forced on: on the CPU the
+    CUDA kernel does not serve, and the op runs PyTorch's GroupNorm there): it finds their
+    GroupNorms (ResBlocks' with their SiLU, the transformers' without) in both networks'
+    traced graphs, and the run still matches stock. On a GPU the rule decides as in a
+    user's run, and the tiny models' sizes are below it."""
+    import dataclasses
+
+    pack = sys.modules[host.pack_module_name]
+    step, fx = pack.nodes.compiled_step, pack.kernels.fx_rewrites
+    if host.cpu:
+        monkeypatch.setattr(pack.nodes.channels_last, "DEVICES", ("cuda", "cpu"))
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(fx.GroupNormRewrite):
+        def __call__(self, gm):
+            seen.append(self.rewrite(gm))
+            return None
+
+    opts = dataclasses.replace(step.CHOICES["inductor"], graph_passes=(Counting(force=True),))
+    monkeypatch.setitem(step.CHOICES, "inductor", opts)
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4)
+    stock, _ = _run(r, wl, 21)
+    got, p = _run(r, wl, 21, _graph(compile="inductor"))
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
+    assert _badge(host, p)["compiled"]["failed_signatures"] == 0
+    assert len(seen) >= 2, seen  # the UNet's graph and the ControlNet's
+    with_gn = [done for done, _ in seen if done]
+    assert len(with_gn) >= 2 and all(fused for done, fused in seen if done), seen
+
+
 def test_positive_only_controlnet_runs_compiled_in_the_graph(host, native, tiny_models):
     """Apply ControlNet (Fused) on the positive half of the CFG batch only: the ControlNet sees
     half the batch and a hint prepared for it, whose encoding the graph reads; the UNet and the
