@@ -88,6 +88,18 @@ def uniform(tensors: list[torch.Tensor]) -> str | None:
     return None
 
 
+def _affine_problem(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Why GroupNorm's weight and bias do not suit the kernels: x's dtype and device, one value
+    per channel."""
+    if w.dtype != x.dtype or b.dtype != x.dtype:
+        return f"weight/bias {w.dtype}/{b.dtype} differ from x's {x.dtype}"
+    if w.numel() != x.shape[1] or b.numel() != x.shape[1]:
+        return "weight/bias not one value per channel"
+    if w.device != x.device or b.device != x.device:
+        return "weight/bias on another device than x"
+    return None
+
+
 def cuda_launch_problem(op: str, **a) -> str | None:
     """Why one CUDA launch of ``op`` cannot take these arguments, or None if it can.
 
@@ -153,13 +165,7 @@ def cuda_launch_problem(op: str, **a) -> str | None:
             return f"x {tuple(x.shape)} with {groups} groups"
         if x.shape[0] * groups > lim["max_groups_total"]:
             return f"{x.shape[0] * groups} groups in all (over the grid limit)"
-        if w.dtype != x.dtype or b.dtype != x.dtype:
-            return f"weight/bias {w.dtype}/{b.dtype} differ from x's {x.dtype}"
-        if w.numel() != x.shape[1] or b.numel() != x.shape[1]:
-            return "weight/bias not one value per channel"
-        if w.device != x.device or b.device != x.device:
-            return "weight/bias on another device than x"
-        return None
+        return _affine_problem(x, w, b)
     if op == "group_norm_nhwc":
         x, w, b, groups = a["x"], a["weight"], a["bias"], a["groups"]
         if x.dim() != 4 or groups <= 0 or x.shape[1] % groups:
@@ -168,12 +174,9 @@ def cuda_launch_problem(op: str, **a) -> str | None:
             return "x is not channels-last"
         if x.shape[0] > lim["max_batch"]:
             return f"batch {x.shape[0]} (over the grid limit)"
-        if w.dtype != x.dtype or b.dtype != x.dtype:
-            return f"weight/bias {w.dtype}/{b.dtype} differ from x's {x.dtype}"
-        if w.numel() != x.shape[1] or b.numel() != x.shape[1]:
-            return "weight/bias not one value per channel"
-        if w.device != x.device or b.device != x.device:
-            return "weight/bias on another device than x"
+        why = _affine_problem(x, w, b)
+        if why:
+            return why
         c = x.shape[1]
         v = 16 // x.element_size()
         aligned = all(t.data_ptr() % 16 == 0 for t in (x, w, b) if t.numel())

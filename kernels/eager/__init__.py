@@ -77,7 +77,7 @@ def group_norm_silu(
     """SiLU(GroupNorm(x)): the ResBlock prologue of SD UNets and ControlNets. Affine parameters
     in another dtype than x (fp32 norms on fp16 activations) are cast to x's, as CUDA's
     GroupNorm requires."""
-    return F.silu(F.group_norm(x, groups, weight.to(x.dtype), bias.to(x.dtype), eps))
+    return group_norm_act(x, weight, bias, groups, eps, silu=True)
 
 
 def group_norm_act(
