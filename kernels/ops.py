@@ -116,7 +116,10 @@ def _register() -> None:
         eps: float,
         silu: bool,
     ) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        # Inside compiled code nothing checked this call's tensors before it (the rewrite
+        # checked their shapes when it compiled): check here, and take PyTorch's path rather
+        # than let the kernel refuse (an unaligned view, say) and fail the prompt.
+        if x.is_cuda and _cuda_ok("group_norm_nhwc", x=x, weight=weight, bias=bias, groups=groups):
             return _jit.module().group_norm_nhwc(x, weight, bias, groups, eps, silu)
         return eager.group_norm_act(x, weight, bias, groups, eps, silu).contiguous(
             memory_format=torch.channels_last
@@ -343,9 +346,7 @@ def group_norm_nhwc(
     if x.dim() != 4 or groups <= 0 or x.shape[1] % groups:
         raise ValueError(f"group_norm_nhwc: x {tuple(x.shape)} needs (B, C, H, W), C % {groups}")
     x = x.contiguous(memory_format=torch.channels_last)
-    if registry.select("group_norm_nhwc", [x, weight, bias]) == "cuda" and _cuda_ok(
-        "group_norm_nhwc", x=x, weight=weight, bias=bias, groups=groups
-    ):
+    if registry.select("group_norm_nhwc", [x, weight, bias]) == "cuda":  # the op checks limits
         return _cna().group_norm_nhwc(
             x, weight.contiguous(), bias.contiguous(), groups, float(eps), bool(silu)
         )
