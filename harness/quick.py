@@ -12,6 +12,7 @@ Prints a table, writes JSON and Markdown beside it. docs/benchmarks.md describes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -241,10 +242,38 @@ VARIANTS["graph_compiled"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, compile="inductor"
 )
 VARIANTS["fused+graph_compiled"] = _chain(_fused_apply, VARIANTS["graph_compiled"])
+# Environment settings a variant runs under (set for each of its runs, put back after): a switch
+# that is on by default, compared with it off side by side in one process.
+VARIANT_ENV: dict[str, dict[str, str]] = {}
+# Compiled mode with every GroupNorm left to inductor's code (the pack's channels-last GroupNorm
+# kernel off). max_graphs 23, not 24: an input must differ from graph_compiled's, or ComfyUI
+# would answer the prompt from its output cache without sampling.
+VARIANTS["graph_compiled_gn_inductor"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=23, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_gn_inductor"] = {"CNA_COMPILE_GROUP_NORM": "0"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")
 DEFAULT_VARIANTS = ["stock", "cuda_graph", "fused", "fused+graph"]
+
+
+@contextlib.contextmanager
+def variant_env(variant: str):
+    """The variant's ``VARIANT_ENV`` settings for the block; the previous values after it."""
+    env = VARIANT_ENV.get(variant, {})
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 # diffusers' pipeline with torch.compile as its users run it: CUDA graphs (reduce-overhead),
 # and inductor's tuned kernels without them
 PEER_MODES = ("reduce-overhead", "max-autotune-no-cudagraphs")
@@ -401,7 +430,8 @@ def run_workload(
     def run(variant: str, seed: int, *, steps_override=None, prof=False):
         w = wl if steps_override is None else wl.with_(steps=steps_override)
         p, ids = workflows.build_prompt(w, seed, hints, VARIANTS[variant])
-        res = badges.run(r, p, ids, profile=prof)
+        with variant_env(variant):
+            res = badges.run(r, p, ids, profile=prof)
         if badges.data(res, "cuda_graph"):  # the run's own figures, from the nodes' badges
             res.extra["graph_steps"] = badges.graph_counts(res)
         if badges.data(res, "feature_cache"):
@@ -484,7 +514,8 @@ def run_workload(
             _cold_reset()
             w = wl.with_(decode=False)
             p, ids = workflows.build_prompt(w, 5000, hints, VARIANTS[v])
-            cold[v] = runner.Runner(device_peak=True).run(p, ids)
+            with variant_env(v):
+                cold[v] = runner.Runner(device_peak=True).run(p, ids)
             sp = cold[v].extra.get("sampling_peak_allocated", 0) / MiB
             prog.step(
                 f"{wid} {v} cold: peak {cold[v].peak_allocated / MiB:.0f} MiB allocated "

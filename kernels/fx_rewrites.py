@@ -43,8 +43,9 @@ def _arg(node: torch.fx.Node, i: int, name: str, default=None):
 
 
 def enabled() -> bool:
-    """``CNA_COMPILE_GROUP_NORM=0`` leaves every GroupNorm to inductor (read at each compile:
-    to compare the two in separate processes)."""
+    """``CNA_COMPILE_GROUP_NORM=0`` leaves every GroupNorm to inductor. Read at each compile;
+    compiled mode also leaves the rewrite out of its settings then, so that code compiled with
+    and without it is kept apart (the benchmark compares the two in one process)."""
     return os.environ.get(ENV, "1").strip() != "0"
 
 

@@ -49,6 +49,7 @@ from ..graphs.compiled import (
     CompileProgress,
     options_from_torch_compile,
 )
+from ..kernels import fx_rewrites
 from ..kernels.fx_rewrites import GroupNormRewrite
 from ..logger import logger
 
@@ -70,6 +71,9 @@ CHOICES: dict[str, CompileOptions | None] = {
     ),
 }
 MAX_MODULES = 8  # compiled networks per model: the UNet and up to 7 ControlNets
+# Compile settings kept per model: switching the node between two settings and back (or two
+# nodes on one model with different settings) does not compile again.
+MAX_OPTION_SETS = 2
 MAX_SHAPES = 4  # input signatures (resolution, batch) kept compiled per network
 # A compile's progress bar counts to this (per mille of the compile); a sampler's bar counts its
 # steps, so timing code that follows step progress can tell the two apart.
@@ -79,10 +83,16 @@ PROGRESS_TOTAL = 1000
 def options_for(choice: str) -> CompileOptions | None:
     """The compile settings for the node's ``compile`` choice (None: off). ``$CNA_COMPILE_BACKEND``
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
-    nothing is generated)."""
+    nothing is generated). With ``CNA_COMPILE_GROUP_NORM=0`` the GroupNorm rewrite is left out
+    of the settings, so code compiled with it is not reused without it (and the other way)."""
     base = CHOICES[choice]
+    if base is None:
+        return None
+    if not fx_rewrites.enabled():
+        passes = tuple(p for p in base.graph_passes if not isinstance(p, GroupNormRewrite))
+        base = dataclasses.replace(base, graph_passes=passes)
     backend = os.environ.get(BACKEND_ENV)
-    if base is not None and backend:
+    if backend:
         base = dataclasses.replace(base, backend=backend)  # CompileOptions validates it
     return base
 
@@ -132,19 +142,26 @@ class ModelCompile:
         return out
 
 
-# Per model (weak keys): bounded by the models alive; see ModelCompile for what each holds.
+# Per model (weak keys): bounded by the models alive. Each holds its ModelCompiles by settings,
+# most recently used last, at most MAX_OPTION_SETS; see ModelCompile for what each holds.
 _MODELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def model_compile(model, options: CompileOptions) -> ModelCompile:
-    """The model's compiled networks for ``options`` (new settings drop the old code)."""
+    """The model's compiled networks for ``options``. The least recently used settings' code
+    is dropped when a model has more than ``MAX_OPTION_SETS``."""
     with _lock:
-        mc = _MODELS.get(model)
-        if mc is None or mc.options != options:
-            if mc is not None:
-                mc.cache.reset()
-            mc = _MODELS[model] = ModelCompile(options)
+        sets = _MODELS.get(model)
+        if sets is None:
+            sets = _MODELS[model] = {}
+        mc = sets.pop(options, None)
+        if mc is None:
+            mc = ModelCompile(options)
+        sets[options] = mc  # most recently used last
+        while len(sets) > MAX_OPTION_SETS:
+            oldest = next(iter(sets))
+            sets.pop(oldest).cache.reset()
         return mc
 
 

@@ -49,6 +49,39 @@ def test_node_setting_puts_a_run_in_the_runs_options(allocator):
     assert other.model is not run.model
 
 
+def test_a_model_keeps_two_settings_compiled_and_drops_the_least_recent(monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    a, b, c = (
+        CompileOptions(),
+        CompileOptions(mode="max-autotune-no-cudagraphs"),
+        CompileOptions(dynamic="dynamic"),
+    )
+    resets = []
+    monkeypatch.setattr(
+        cs.CompileCache, "reset", lambda self: resets.append(self.options), raising=True
+    )
+    ma, mb = cs.model_compile(model, a), cs.model_compile(model, b)
+    assert cs.model_compile(model, a) is ma and cs.model_compile(model, b) is mb and not resets
+    cs.model_compile(model, a)  # b is now the least recently used
+    mc = cs.model_compile(model, c)
+    assert resets == [b] and mc is not ma and mc is not mb
+    assert cs.model_compile(model, a) is ma  # kept
+    assert cs.model_compile(model, b) is not mb  # dropped, so compiled afresh
+
+
+def test_group_norm_switch_gives_other_settings(monkeypatch):
+    from comfyui_controlnet_accelerator.kernels import fx_rewrites
+
+    monkeypatch.delenv(fx_rewrites.ENV, raising=False)
+    on = cs.options_for("inductor")
+    assert any(isinstance(p, fx_rewrites.GroupNormRewrite) for p in on.graph_passes)
+    monkeypatch.setenv(fx_rewrites.ENV, "0")
+    off = cs.options_for("inductor")
+    assert not any(isinstance(p, fx_rewrites.GroupNormRewrite) for p in off.graph_passes)
+    assert off != on and off.mode == on.mode
+    assert cs.options_for("off") is None
+
+
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
     allocator("native")
     opts = _tcm_options()

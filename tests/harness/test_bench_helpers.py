@@ -165,3 +165,27 @@ def test_device_peak_reads_once_more_at_stop():
     poll = DevicePeak(lambda: level[0], interval_s=60).start()  # polls once, then waits
     level[0] = 4
     assert poll.stop() == 4
+
+
+def test_a_variants_environment_holds_for_its_runs_only(monkeypatch):
+    from comfyui_controlnet_accelerator.harness import quick
+
+    monkeypatch.setitem(quick.VARIANT_ENV, "v_test", {"CNA_T_SET": "0", "CNA_T_KEPT": "new"})
+    monkeypatch.delenv("CNA_T_SET", raising=False)
+    monkeypatch.setenv("CNA_T_KEPT", "old")
+    import os
+
+    with quick.variant_env("v_test"):
+        assert os.environ["CNA_T_SET"] == "0" and os.environ["CNA_T_KEPT"] == "new"
+    assert "CNA_T_SET" not in os.environ and os.environ["CNA_T_KEPT"] == "old"
+    with pytest.raises(KeyError), quick.variant_env("v_test"):
+        raise KeyError("a failing run")
+    assert "CNA_T_SET" not in os.environ and os.environ["CNA_T_KEPT"] == "old"
+    with quick.variant_env("stock"):  # no settings: nothing changes
+        assert "CNA_T_SET" not in os.environ
+
+
+def test_every_variant_environment_belongs_to_a_variant():
+    from comfyui_controlnet_accelerator.harness import quick
+
+    assert set(quick.VARIANT_ENV) <= set(quick.VARIANTS)
