@@ -442,6 +442,7 @@ class CompiledModule:
         self.recompiles = 0
         self.graphs = 0  # graphs handed to the backend (more than compiles: graph breaks)
         self.compile_s = 0.0
+        self.backend_s = 0.0  # of compile_s: in the backend (graph passes, AOTAutograd, inductor)
         self.eager_calls = 0
         if adopted:
             logger.debug("%s: compiling the module under an existing torch.compile wrapper", name)
@@ -609,7 +610,7 @@ class CompiledModule:
             self.options.dynamic,
             f" in {cache.path}" if cache is not None else "",
         )
-        graphs = self.graphs
+        graphs, backend_s = self.graphs, self.backend_s
         t0 = time.perf_counter()
         self._current = (label, t0)
         self._progress("start", label, 0.0, 0)
@@ -648,21 +649,26 @@ class CompiledModule:
             )
             self._drop(old)
         self._progress("done", label, elapsed, made)
+        in_backend = self.backend_s - backend_s
         logger.info(
-            "%s: compiled for %s in %.1f s (%d graph%s%s)",
+            "%s: compiled for %s in %.1f s (%d graph%s%s; %.1f s compiling the graphs or "
+            "reading them from the cache, %.1f s tracing the Python and the first run)",
             self.name,
             label,
             elapsed,
             made,
             "" if made == 1 else "s",
-            "" if made == 1 else f"; {made - 1} graph break(s) run Python between them",
+            "" if made == 1 else f", {made - 1} graph break(s) run Python between them",
+            in_backend,
+            max(0.0, elapsed - in_backend),
         )
         return out
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs):
         self.graphs += 1
         label, t0 = self._current or ("?", time.perf_counter())
-        self._progress("lowering", label, time.perf_counter() - t0, self.graphs)
+        started = time.perf_counter()
+        self._progress("lowering", label, started - t0, self.graphs)
         for graph_pass in self.options.graph_passes:
             said = graph_pass(gm)
             if said:
@@ -673,7 +679,9 @@ class CompiledModule:
             out = compile_fx(gm, example_inputs, config_patches=self.options.inductor_config())
         else:
             out = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
-        self._progress("lowered", label, time.perf_counter() - t0, self.graphs)
+        done = time.perf_counter()
+        self.backend_s += done - started
+        self._progress("lowered", label, done - t0, self.graphs)
         return out
 
     def _fail(self, key, reason, target, args, kwargs, *, label=None, t0=None, ran=None):

@@ -450,6 +450,27 @@ def test_no_compile_refuses_new_signatures_and_recompiles_without_giving_them_up
 # -- bookkeeping ----------------------------------------------------------------------------------
 
 
+def test_the_compile_log_splits_the_backends_time_from_the_rest(caplog):
+    import re
+    import time
+
+    def slow_pass(gm):
+        time.sleep(0.3)  # stands in for a slow lowering
+
+    lin = nn.Linear(4, 4).requires_grad_(False)
+    opts = C.CompileOptions(backend="eager", graph_passes=(slow_pass,))
+    cm = C.CompiledModule(lin, "UNet", opts)
+    with caplog.at_level(logging.INFO, logger=LOGGER), torch.inference_mode():
+        cm(torch.randn(2, 4))
+    assert 0.3 <= cm.backend_s <= cm.compile_s
+    line = next(r.getMessage() for r in caplog.records if "compiled for" in r.message)
+    total, backend, rest = map(
+        float,
+        re.search(r"in ([\d.]+) s .*; ([\d.]+) s compiling.*, ([\d.]+) s tracing", line).groups(),
+    )
+    assert backend >= 0.3 and abs(total - backend - rest) <= 0.11
+
+
 def test_lru_keeps_max_shapes_and_evicted_shapes_compile_again():
     lin = nn.Linear(4, 4).requires_grad_(False)
     cm = C.CompiledModule(lin, "UNet", C.CompileOptions(backend="eager"), max_shapes=2)
