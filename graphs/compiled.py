@@ -492,6 +492,7 @@ class CompiledModule:
             "recompiles": self.recompiles,
             "graphs": self.graphs,
             "compile_s": round(self.compile_s, 3),
+            "backend_s": round(self.backend_s, 3),
             "eager_calls": self.eager_calls,
         }
 

@@ -60,6 +60,7 @@ BACKEND_ENV = "CNA_COMPILE_BACKEND"  # inductor (default); aot_eager traces with
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
 # runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.
+# Opt-in (CNA_COMPILE_GROUP_NORM=1): options_for leaves it out unless it is on.
 GRAPH_PASSES = (GroupNormRewrite(),)
 # The node's choices. max-autotune tries several kernels per GEMM/conv on the first compile of a
 # shape (longer compile, sometimes faster steps); inductor's own CUDA graphs stay off in both.
@@ -83,8 +84,9 @@ PROGRESS_TOTAL = 1000
 def options_for(choice: str) -> CompileOptions | None:
     """The compile settings for the node's ``compile`` choice (None: off). ``$CNA_COMPILE_BACKEND``
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
-    nothing is generated). With ``CNA_COMPILE_GROUP_NORM=0`` the GroupNorm rewrite is left out
-    of the settings, so code compiled with it is not reused without it (and the other way)."""
+    nothing is generated). Unless ``CNA_COMPILE_GROUP_NORM=1`` turns it on, the GroupNorm rewrite
+    is left out of the settings, so code compiled with it is not reused without it (and the
+    other way)."""
     base = CHOICES[choice]
     if base is None:
         return None
@@ -134,7 +136,8 @@ class ModelCompile:
         return self.cache.get(module, "UNet", method="_forward")
 
     def stats(self) -> dict:
-        out = {"compiles": 0, "compile_s": 0.0, "failed_signatures": 0, "eager_calls": 0}
+        out = {"compiles": 0, "compile_s": 0.0, "backend_s": 0.0, "failed_signatures": 0}
+        out["eager_calls"] = 0
         for cm in self.cache.modules():
             s = cm.stats()
             for k in out:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.host
 
 # Inputs the loaded nodes may not have yet: the CUDA Graph node's compiled mode.
 NEWER = {
-    v: "'compile'" for v in ("graph_compiled", "fused+graph_compiled", "graph_compiled_gn_inductor")
+    v: "'compile'" for v in ("graph_compiled", "fused+graph_compiled", "graph_compiled_gn_kernel")
 }
 
 

@@ -90,6 +90,7 @@ def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, native, t
     data = _badge(host, p)
     comp = data["compiled"]
     assert comp["compiles"] == 2 and comp["failed_signatures"] == 0, comp
+    assert 0 < comp["backend_s"] <= comp["compile_s"], comp  # the compile's time, split
     assert data["captures"] >= 1 and data["replays"] >= 4, data
 
     wl2 = wl.with_(strength=0.55)
