@@ -238,6 +238,13 @@ DYNAMIC_CAPTURE = (
 )
 
 
+DYNAMIC_PASS_THROUGH = (
+    "ComfyUI's DynamicVRAM manages this model's weights (loaded as layers run, evictable "
+    "between them): a CUDA graph cannot hold them, so the model is passed on unchanged and "
+    "runs as without the node; start ComfyUI with --disable-dynamic-vram to use the graphs"
+)
+
+
 def capture_blocker(module) -> str | None:
     """Why a CUDA graph must not capture ``module`` under this ComfyUI, or None.
 

@@ -35,7 +35,7 @@ from ..graphs.compiled import CompileOptions
 from ..graphs.hint_encoding import encode, encoder_of
 from ..logger import logger
 from ..memory import prefetch
-from . import compiled_step, status, step_plan
+from . import compat, compiled_step, status, step_plan
 from .channels_last import LayoutSwap
 from .graph_deferral import (  # noqa: F401  (ControlCall, _JoinOnUse: used by tests and tools)
     ControlCall,
@@ -638,7 +638,21 @@ def _passthrough(cn):
 
 
 def apply_cuda_graph(model, options: GraphOptions, node_id=None):
-    """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling steps run in CUDA graphs."""
+    """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling steps run in CUDA graphs.
+
+    A model ComfyUI's DynamicVRAM manages is handed back as it came, not cloned and not wrapped:
+    no graph can hold its weights and compiled mode needs a graph, so the node has nothing to
+    add, and in measurements its eager run was slower than stock's. The log says so once, the
+    badge on every run."""
+    if compat.is_dynamic(model):
+        compat.warn_once("graph:dynamic", "CUDA Graph: %s", compat.DYNAMIC_PASS_THROUGH)
+        status.report(
+            node_id,
+            "cuda_graph",
+            ["off: DynamicVRAM manages this model (--disable-dynamic-vram to use graphs)"],
+            {"passed_through": compat.DYNAMIC_PASS_THROUGH},
+        )
+        return model
     import comfy.patcher_extension as pe
 
     m = model.clone()

@@ -361,3 +361,25 @@ def test_a_stock_controlnet_loads_after_its_streamed_clone(host, tiny_models):
     for vbar in ranges.values():
         assert vbar.max_size == 10 * full
     mm.unload_all_models()
+
+
+def test_a_dynamic_vram_model_passes_through_the_cuda_graph_node_untouched(
+    host, tiny_models, caplog
+):
+    """Under DynamicVRAM no graph can hold the weights: the node hands the model on as it
+    came (no clone, no wrapper), says so once in the log and on its badge."""
+    pack = _pack(host)
+    cg, compat, status = pack.nodes.cuda_graph, pack.nodes.compat, pack.nodes.status
+    model = _loaded(tiny_models)
+    plain = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-plain")
+    assert plain is not model and plain.wrappers != model.wrappers  # a normal model: wrapped
+    model.is_dynamic = lambda: True  # a DynamicVRAM patcher, as 0.33 makes them on NVIDIA GPUs
+    compat._warned.discard("graph:dynamic")
+    with caplog.at_level(logging.WARNING):
+        out = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-dyn")
+        again = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-dyn2")
+    assert out is model and again is model
+    assert sum("--disable-dynamic-vram" in r.getMessage() for r in caplog.records) == 1
+    badge = status.LAST["cg-dyn"]
+    assert badge["kind"] == "cuda_graph" and "DynamicVRAM" in badge["lines"][0]
+    assert badge["data"]["passed_through"] == compat.DYNAMIC_PASS_THROUGH
