@@ -626,8 +626,12 @@ def run_workload(
                 row.extra["plans_built"] = [d.get("plans_built") for d in graph]
         if uses_graphs(v) and steps_g and not any(g["replays"] for g in steps_g):
             graph = [d for x in runs for d in badges.data(x, "cuda_graph")]
-            reasons = sorted({r for d in graph for r in d.get("eager_reasons", [])})
-            row.extra["ran_eager"] = eager_note(reasons)
+            passed = sorted({d["passed_through"] for d in graph if "passed_through" in d})
+            if passed:  # the node handed the model on unchanged (DynamicVRAM): stock's model ran
+                row.extra["passed_through"] = eager_note(passed)
+            else:
+                reasons = sorted({r for d in graph for r in d.get("eager_reasons", [])})
+                row.extra["ran_eager"] = eager_note(reasons)
         row.extra["finite"] = bool(torch.isfinite(runs[-1].latent).all())
         rows.append(row)
     for name, peer in peer_of.items():
@@ -873,7 +877,9 @@ def table(rows: list[Row], wl_info: dict) -> str:
         calls = r.extra.get("controlnet_calls")
         calls_s = f"{calls['computed']}/{calls['reused']}" if calls else "–"
         name = r.variant
-        if r.extra.get("ran_eager"):
+        if r.extra.get("passed_through"):
+            name += f" (model passed through: {r.extra['passed_through']})"
+        elif r.extra.get("ran_eager"):
             name += f" (ran eager: {r.extra['ran_eager']})"
         lines.append(
             f"| {r.workload} ({wl_info[r.workload]}) | {name} | {r.ms_step_median:.2f} "

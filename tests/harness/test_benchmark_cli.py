@@ -129,6 +129,10 @@ def test_table_says_which_graph_variant_ran_eager_and_why():
     lines = text.splitlines()
     assert "| cuda_graph (ran eager: no CUDA device for this model) |" in lines[3]
     assert "ran eager" not in lines[2]
+    passed = _row(1.0, [1.1, 1.2], passed_through="DynamicVRAM manages this model")
+    line = quick.table([stock, passed], {"T1": "tiny"}).splitlines()[3]
+    assert "| cuda_graph (model passed through: DynamicVRAM manages this model) |" in line
+    assert "ran eager" not in line
 
 
 def test_graph_variants_are_recognised():
