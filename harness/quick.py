@@ -980,6 +980,21 @@ def _quick_arguments(ap) -> None:
     )
 
 
+def show_pack_log() -> None:
+    """The pack's own log lines at INFO (compiles and their times, fallbacks and their reasons)
+    beside the benchmark's progress: ComfyUI's logging setup does not run in this process, so
+    without a handler only warnings would reach the terminal, through Python's last resort."""
+    import logging
+
+    from ..logger import logger as pack_logger
+
+    pack_logger.setLevel(logging.INFO)
+    if not logging.getLogger().handlers and not pack_logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("  [pack] %(levelname)s %(message)s"))
+        pack_logger.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -996,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
     import comfy.utils
 
     comfy.utils.set_progress_bar_enabled(False)
+    show_pack_log()
     from .workflows import WORKLOADS
 
     wids = a.workloads.split(",") if a.workloads else (CPU_WORKLOADS if host.cpu else GPU_WORKLOADS)

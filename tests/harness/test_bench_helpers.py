@@ -189,3 +189,18 @@ def test_every_variant_environment_belongs_to_a_variant():
     from comfyui_controlnet_accelerator.harness import quick
 
     assert set(quick.VARIANT_ENV) <= set(quick.VARIANTS)
+
+
+def test_the_benchmark_shows_the_packs_info_lines(monkeypatch):
+    import logging
+
+    from comfyui_controlnet_accelerator.harness import quick
+    from comfyui_controlnet_accelerator.logger import logger as pack_logger
+
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(pack_logger, "handlers", [])
+    monkeypatch.setattr(pack_logger, "level", logging.NOTSET)
+    quick.show_pack_log()
+    assert pack_logger.level == logging.INFO and len(pack_logger.handlers) == 1
+    quick.show_pack_log()  # idempotent
+    assert len(pack_logger.handlers) == 1
