@@ -642,8 +642,8 @@ def apply_cuda_graph(model, options: GraphOptions, node_id=None):
 
     A model ComfyUI's DynamicVRAM manages is handed back as it came, not cloned and not wrapped:
     no graph can hold its weights and compiled mode needs a graph, so the node has nothing to
-    add, and in measurements its eager run was slower than stock's. The log says so once, the
-    badge on every run."""
+    add, and in measurements its eager run was slower than stock's. The log says so once per
+    process, the node's badge each time the node runs."""
     if compat.is_dynamic(model):
         compat.warn_once("graph:dynamic", "CUDA Graph: %s", compat.DYNAMIC_PASS_THROUGH)
         status.report(
