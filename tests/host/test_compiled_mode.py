@@ -175,6 +175,7 @@ def test_group_norms_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
 
     opts = dataclasses.replace(step.CHOICES["inductor"], graph_passes=(Counting(force=True),))
     monkeypatch.setitem(step.CHOICES, "inductor", opts)
+    monkeypatch.setenv(fx.ENV, "1")  # the rewrite is opt-in; off, compiled mode leaves it out
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=4)
     stock, _ = _run(r, wl, 21)
