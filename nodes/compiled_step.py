@@ -136,8 +136,13 @@ class ModelCompile:
         return self.cache.get(module, "UNet", method="_forward")
 
     def stats(self) -> dict:
-        out = {"compiles": 0, "compile_s": 0.0, "backend_s": 0.0, "failed_signatures": 0}
-        out["eager_calls"] = 0
+        out = {
+            "compiles": 0,
+            "compile_s": 0.0,
+            "backend_s": 0.0,
+            "failed_signatures": 0,
+            "eager_calls": 0,
+        }
         for cm in self.cache.modules():
             s = cm.stats()
             for k in out:
