@@ -637,15 +637,18 @@ def _passthrough(cn):
     return get_control
 
 
-def apply_cuda_graph(model, options: GraphOptions, node_id=None):
+def apply_cuda_graph(model, options: GraphOptions, node_id=None, node_name: str = "CUDA Graph"):
     """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling steps run in CUDA graphs.
 
     A model ComfyUI's DynamicVRAM manages is handed back as it came, not cloned and not wrapped:
     no graph can hold its weights and compiled mode needs a graph, so the node has nothing to
     add, and in measurements its eager run was slower than stock's. The log says so once per
-    process, the node's badge each time the node runs."""
+    process and node type (``node_name``, the node the user placed), the node's badge each time
+    the node runs."""
     if compat.is_dynamic(model):
-        compat.warn_once("graph:dynamic", "CUDA Graph: %s", compat.DYNAMIC_PASS_THROUGH)
+        compat.warn_once(
+            f"graph:dynamic:{node_name}", "%s: %s", node_name, compat.DYNAMIC_PASS_THROUGH
+        )
         status.report(
             node_id,
             "cuda_graph",

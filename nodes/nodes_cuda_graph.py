@@ -265,7 +265,7 @@ class KSamplerCUDAGraph(io.ComfyNode):
                 concurrent_controlnet,
                 compile,
             )
-            model = apply_cuda_graph(model, opts, node_id=node_id)
+            model = apply_cuda_graph(model, opts, node_id=node_id, node_name=KSAMPLER)
         (latent,) = nodes.common_ksampler(
             model,
             seed,

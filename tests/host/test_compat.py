@@ -374,12 +374,19 @@ def test_a_dynamic_vram_model_passes_through_the_cuda_graph_node_untouched(
     plain = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-plain")
     assert plain is not model and plain.wrappers != model.wrappers  # a normal model: wrapped
     model.is_dynamic = lambda: True  # a DynamicVRAM patcher, as 0.33 makes them on NVIDIA GPUs
-    compat._warned.discard("graph:dynamic")
+    ksampler = "KSampler (CUDA Graph)"
+    for name in ("CUDA Graph", ksampler):
+        compat._warned.discard(f"graph:dynamic:{name}")
     with caplog.at_level(logging.WARNING):
         out = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-dyn")
         again = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-dyn2")
-    assert out is model and again is model
-    assert sum("--disable-dynamic-vram" in r.getMessage() for r in caplog.records) == 1
+        said = [m for m in caplog.messages if "--disable-dynamic-vram" in m]
+        assert len(said) == 1 and said[0].startswith("CUDA Graph: ")
+        # the KSampler node names itself, not the other node
+        ks = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="ks-dyn", node_name=ksampler)
+    assert out is model and again is model and ks is model
+    said = [m for m in caplog.messages if "--disable-dynamic-vram" in m]
+    assert len(said) == 2 and said[1].startswith(f"{ksampler}: "), said
     badge = status.LAST["cg-dyn"]
     assert badge["kind"] == "cuda_graph" and "DynamicVRAM" in badge["lines"][0]
     assert badge["data"]["passed_through"] == compat.DYNAMIC_PASS_THROUGH
