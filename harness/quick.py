@@ -252,6 +252,12 @@ VARIANTS["graph_compiled_gn_kernel"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=23, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_gn_kernel"] = {"CNA_COMPILE_GROUP_NORM": "1"}
+# Compiled mode with dynamic shapes: one compile for every size (max_graphs 22: an input that
+# differs from the other compiled variants', as above).
+VARIANTS["graph_compiled_dynamic"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=22, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_dynamic"] = {"CNA_COMPILE_DYNAMIC": "1"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

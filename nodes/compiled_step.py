@@ -57,6 +57,9 @@ COMPILE_RUN_KEY = "cna.compile_run"  # transformer_options entry: the run's Comp
 TORCH_COMPILE_KEY = "torch.compile"  # ComfyUI's TorchCompileModel wrapper key (APPLY_MODEL)
 TORCH_COMPILE_KWARGS = "torch_compile_kwargs"  # where that node keeps its settings
 BACKEND_ENV = "CNA_COMPILE_BACKEND"  # inductor (default); aot_eager traces without codegen
+# 1: one compile for every image size and batch (symbolic sizes) instead of one per size, the
+# kernels then not specialised to a size. Opt-in, to measure the trade (docs/benchmarks.md).
+DYNAMIC_ENV = "CNA_COMPILE_DYNAMIC"
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
 # runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.
@@ -86,13 +89,16 @@ def options_for(choice: str) -> CompileOptions | None:
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
     nothing is generated). Unless ``CNA_COMPILE_GROUP_NORM=1`` turns it on, the GroupNorm rewrite
     is left out of the settings, so code compiled with it is not reused without it (and the
-    other way)."""
+    other way). ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all
+    sizes) instead of static ones (one per size)."""
     base = CHOICES[choice]
     if base is None:
         return None
     if not fx_rewrites.enabled():
         passes = tuple(p for p in base.graph_passes if not isinstance(p, GroupNormRewrite))
         base = dataclasses.replace(base, graph_passes=passes)
+    if os.environ.get(DYNAMIC_ENV, "0").strip() == "1":
+        base = dataclasses.replace(base, dynamic="dynamic")
     backend = os.environ.get(BACKEND_ENV)
     if backend:
         base = dataclasses.replace(base, backend=backend)  # CompileOptions validates it

@@ -82,6 +82,19 @@ def test_group_norm_switch_gives_other_settings(monkeypatch):
     assert cs.options_for("off") is None
 
 
+def test_dynamic_shapes_switch_gives_other_settings(monkeypatch):
+    monkeypatch.delenv(cs.DYNAMIC_ENV, raising=False)
+    static = cs.options_for("inductor max-autotune")
+    monkeypatch.setenv(cs.DYNAMIC_ENV, "1")
+    dynamic = cs.options_for("inductor max-autotune")
+    assert (static.dynamic, dynamic.dynamic) == ("static", "dynamic")
+    assert dynamic.mode == static.mode == "max-autotune-no-cudagraphs"
+    assert dynamic != static  # kept apart per model (model_compile keys on the settings)
+    monkeypatch.setenv(cs.DYNAMIC_ENV, "0")
+    assert cs.options_for("inductor").dynamic == "static"
+    assert cs.options_for("off") is None
+
+
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
     allocator("native")
     opts = _tcm_options()
