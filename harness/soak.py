@@ -21,11 +21,12 @@ Checked, per server:
   with the same seed, and the two images must agree (PSNR ≥ 40 dB on a GPU in fp16, where
   graph replay and stock differ in rounding only; ≥ 60 dB on a CPU in fp32);
 - reserved VRAM (ComfyUI's ``/system_stats`` ``torch_vram_total``) after the first prompt,
-  after the first ``--warm`` prompts, and at the end: the end must be within 5% of the first
-  prompt's figure; and, read again after ComfyUI's ``/free`` has unloaded every model, the
-  end's must be within 5% (+64 MiB) of the warm one's (with models loaded, the figure depends
-  on which ones the last prompt left resident: the first H200 soak's went 2176 → 2368 MiB on
-  one GPU and 3840 → 3264 on the other);
+  after the first ``--warm`` prompts, and at the end; read again after ComfyUI's ``/free`` has
+  unloaded every model, the end's must be within 5% (+64 MiB) of the warm one's. With models
+  loaded the figure depends on which ones the last prompt left resident (the first H200 soak's
+  went 2176 → 2368 MiB on one GPU and 3840 → 3264 on the other; under ComfyUI 0.33's
+  DynamicVRAM 64 → 2304 MiB with nothing leaking), so the end within 5% of the first prompt's
+  figure is the verdict only where ``/free`` could not be read (``reserved_problems``);
 - the server log has no traceback and no IMPORT FAILED; the pack's fallback lines are counted;
 - on a GPU, nvidia-smi shows the server's process on the GPU it was given.
 A JSON report goes to ``--out``; the exit code is nonzero when any check fails.
@@ -188,6 +189,32 @@ def _reserved_after_free(server: browser.ComfyServer) -> float | None:
     return last
 
 
+def reserved_problems(r: dict) -> list[str]:
+    """The reserved-VRAM verdict from the figures ``run_server`` read (MiB; None: unread).
+
+    With every model unloaded (``/free``), the end's figure must stay within 5% + 64 MiB of the
+    warm one's: that is the leak check, and when both were read it is the only one. With models
+    loaded, the figure says which models the last prompt left resident more than whether memory
+    leaks (ComfyUI 0.33's DynamicVRAM keeps its weights outside PyTorch's allocator, so a first
+    prompt there can leave 64 MiB and a later one a loaded Memory Pool's 2304 MiB); it is the
+    verdict (end within 5% of the first prompt's) only where ``/free`` could not be read."""
+    w, e = r.get("after_warm_prompts_freed"), r.get("after_last_prompt_freed")
+    if w is not None and e is not None:
+        if e > 1.05 * w + 64:
+            return [
+                f"reserved VRAM with models unloaded grew {w:.0f} → {e:.0f} MiB after the warm "
+                "prompts (a leak)"
+            ]
+        return []
+    first, end = r.get("after_first_prompt"), r.get("after_last_prompt")
+    if first and end and end > 1.05 * first:
+        return [
+            f"reserved VRAM grew {first:.0f} → {end:.0f} MiB over the run (models as they were; "
+            "ComfyUI's /free could not be read)"
+        ]
+    return []
+
+
 def _gpu_of(pid: int) -> str | None:
     """The index of the GPU on which nvidia-smi sees process ``pid``."""
     try:
@@ -334,16 +361,7 @@ def run_server(
         rep.problems.append(
             f"server log: {rep.log_tracebacks} tracebacks, {rep.log_import_failed} IMPORT FAILED"
         )
-    r = rep.reserved_mib
-    first, end = r.get("after_first_prompt"), r.get("after_last_prompt")
-    if first and end and end > 1.05 * first:  # the issue's criterion, models as they are
-        rep.problems.append(f"reserved VRAM grew {first:.0f} → {end:.0f} MiB over the run")
-    w, e = r.get("after_warm_prompts_freed"), r.get("after_last_prompt_freed")
-    if w is not None and e is not None and e > 1.05 * w + 64:  # with every model unloaded
-        rep.problems.append(
-            f"reserved VRAM with models unloaded grew {w:.0f} → {e:.0f} MiB after the warm "
-            "prompts (a leak)"
-        )
+    rep.problems += reserved_problems(rep.reserved_mib)
     if not cpu and rep.gpu_of_process not in (None, where):
         rep.problems.append(f"server for GPU {where} ran on GPU {rep.gpu_of_process}")
     return rep

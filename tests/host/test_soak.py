@@ -43,6 +43,30 @@ def test_plan_varies_what_the_issue_asks_and_checks_exact_modes():
     assert not [j for j in runs if not j.workload.controlnets and j.variant in soak.NEEDS_NET]
 
 
+def test_reserved_vram_verdict_reads_the_unloaded_figures_first():
+    # ComfyUI 0.33 with DynamicVRAM on: weights outside PyTorch's allocator, then a Memory Pool
+    # left loaded; with every model unloaded nothing stayed. Not a leak.
+    dyn = {
+        "after_first_prompt": 64.0,
+        "after_warm_prompts": 1632.0,
+        "after_warm_prompts_freed": 64.0,
+        "after_last_prompt": 2304.0,
+        "after_last_prompt_freed": 64.0,
+    }
+    assert soak.reserved_problems(dyn) == []
+    # what stays after unloading grows: a leak, whatever the loaded figures say
+    leak = dict(dyn, after_last_prompt=64.0, after_last_prompt_freed=512.0)
+    (said,) = soak.reserved_problems(leak)
+    assert "64 → 512" in said and "leak" in said
+    assert soak.reserved_problems(dict(dyn, after_last_prompt_freed=64.0 * 1.05 + 64)) == []
+    # /free unread: the loaded figures are all there is
+    unread = dict(dyn, after_warm_prompts_freed=None, after_last_prompt_freed=None)
+    (said,) = soak.reserved_problems(unread)
+    assert "64 → 2304" in said and "/free" in said
+    assert soak.reserved_problems(dict(unread, after_last_prompt=66.0)) == []
+    assert soak.reserved_problems({}) == []
+
+
 @pytest.mark.skipif(WHY_NOT is not None, reason=f"soak: {WHY_NOT}")
 def test_soak_through_a_real_server(host, tiny_models, models_dir, tmp_path):
     rc, rep = _run(tmp_path, models_dir, "--prompts", "6", "--check-every", "2")
