@@ -242,6 +242,11 @@ VARIANTS["graph_compiled"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=24, verify=False, compile="inductor"
 )
 VARIANTS["fused+graph_compiled"] = _chain(_fused_apply, VARIANTS["graph_compiled"])
+# The node's other compile choice: inductor's max-autotune (several kernels tried per GEMM and
+# convolution on a shape's first compile). max_graphs 21: an input unlike the other variants'.
+VARIANTS["graph_compiled_autotune"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=21, verify=False, compile="inductor max-autotune"
+)
 # Environment settings a variant runs under (set for each of its runs, put back after): a switch
 # that is on by default, compared with it off side by side in one process.
 VARIANT_ENV: dict[str, dict[str, str]] = {}

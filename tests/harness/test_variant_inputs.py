@@ -12,7 +12,14 @@ pytestmark = pytest.mark.host
 
 # Inputs the loaded nodes may not have yet: the CUDA Graph node's compiled mode.
 NEWER = {
-    v: "'compile'" for v in ("graph_compiled", "fused+graph_compiled", "graph_compiled_gn_kernel")
+    v: "'compile'"
+    for v in (
+        "graph_compiled",
+        "fused+graph_compiled",
+        "graph_compiled_gn_kernel",
+        "graph_compiled_dynamic",
+        "graph_compiled_autotune",
+    )
 }
 
 
