@@ -73,6 +73,18 @@ DIFFUSION_OPTIONS: tuple[tuple[str, object], ...] = (
     ("epilogue_fusion", False),
 )
 
+# Functions dynamo leaves in a graph that AOTAutograd's cache does not know, marked safe to cache
+# (``torch._inductor.config.unsafe_marked_cacheable_functions``). ComfyUI's attention on NVIDIA
+# GPUs runs SDPA inside ``sdpa_kernel(priority, set_priority=True)``, which dynamo records as
+# calls of these two with the backends as constants of the graph: what they do is fixed by those
+# constants, which are part of the cache key. Unmarked, the cache refuses every UNet and
+# ControlNet graph, and each restart traces both networks through AOTAutograd again (most of a
+# warm restart's compile time, docs/benchmarks.md).
+CACHEABLE_FUNCTIONS = (
+    "torch.nn.attention._backend_from_string",
+    "torch.nn.attention._sdpa_kernel",
+)
+
 # Relative L2 error allowed between compiled and eager outputs, by output dtype: inductor fuses
 # reductions and keeps fp32 accumulators where eager rounds to the storage dtype in between.
 PARITY_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -115,10 +127,17 @@ class CompileOptions:
     def inductor_config(self) -> dict:
         """The ``torch._inductor.config`` patches this compile runs with."""
         import torch._inductor
+        import torch._inductor.config
 
         cfg = dict(torch._inductor.list_mode_options(self.mode))
         cfg.update((k, v) for k, v in self.inductor_options if not k.startswith("triton.cudagraph"))
         cfg["triton.cudagraphs"] = False  # the pack's graphs capture the compiled kernels
+        marked = getattr(torch._inductor.config, "unsafe_marked_cacheable_functions", None)
+        if isinstance(marked, dict):
+            marked = dict(marked)
+            for name in CACHEABLE_FUNCTIONS:
+                marked.setdefault(name, torch.__version__)
+            cfg["unsafe_marked_cacheable_functions"] = marked
         return cfg
 
 

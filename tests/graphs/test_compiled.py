@@ -34,6 +34,16 @@ ROOT = Path(__file__).resolve().parents[2]
 # -- stand-ins shaped like the UNet and a ControlNet (GroupNorm, SiLU, conv, cross-attention) ------
 
 
+def attention(q, k, v):
+    """SDPA as ComfyUI calls it on NVIDIA GPUs: inside ``sdpa_kernel`` with a backend priority
+    (dynamo records that context in the graph, which the compile cache must accept)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    priority = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(priority, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / half)
@@ -66,7 +76,7 @@ class Block(nn.Module):
         q = self.q(tok).view(b, -1, 4, c // 4).transpose(1, 2)
         k = self.k(context).view(b, -1, 4, c // 4).transpose(1, 2)
         v = self.v(context).view(b, -1, 4, c // 4).transpose(1, 2)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, c)
+        a = attention(q, k, v).transpose(1, 2).reshape(b, -1, c)
         return x + self.out(a).transpose(1, 2).reshape(b, c, hh, ww)
 
 
@@ -272,7 +282,8 @@ def test_compile_cache_files_land_in_the_folder(unet, cache_dir):
 
 def test_restart_with_warm_cache_hits_the_fx_graph_cache(cache_dir, tmp_path):
     """Two fresh processes compile the same ControlNet stand-in and shape into one folder (set
-    through the pack's own variable, as a user would): the second reads the first's work."""
+    through the pack's own variable, as a user would): the second reads the first's work, from
+    AOTAutograd's cache as well as inductor's."""
     script = textwrap.dedent(
         f"""
         import importlib.util, json, sys, torch
@@ -298,7 +309,8 @@ def test_restart_with_warm_cache_hits_the_fx_graph_cache(cache_dir, tmp_path):
         with torch.inference_mode():
             ok = C.check_parity(cm, cn, inputs).ok
         print(json.dumps({{"compiles": cm.compiles, "compile_s": cm.compile_s, "parity": ok,
-                          "inductor": dict(counters["inductor"])}}))
+                          "inductor": dict(counters["inductor"]),
+                          "aot": dict(counters["aot_autograd"])}}))
         """
     )
     folder = tmp_path / "restart"
@@ -317,6 +329,13 @@ def test_restart_with_warm_cache_hits_the_fx_graph_cache(cache_dir, tmp_path):
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 1, cold
     assert warm["inductor"].get("fxgraph_cache_hit", 0) >= 1, warm
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
+    # AOTAutograd's cache takes the graph (attention inside sdpa_kernel included), so a restart
+    # skips AOTAutograd's trace of the network too, not only inductor's code generation
+    assert cold["aot"].get("autograd_cache_saved", 0) >= 1, cold
+    assert warm["aot"].get("autograd_cache_hit", 0) >= 1, warm
+    assert not cold["aot"].get("autograd_cache_bypass") and not warm["aot"].get(
+        "autograd_cache_bypass"
+    ), (cold, warm)
     assert (folder / "fxgraph").is_dir()
     assert warm["compile_s"] < cold["compile_s"], (warm["compile_s"], cold["compile_s"])
 
@@ -595,7 +614,10 @@ def test_options_validate_and_never_turn_inductor_cudagraphs_on():
     ).inductor_config()
     assert cfg["triton.cudagraphs"] is False and cfg["max_autotune"] is True
     assert cfg["epilogue_fusion"] is False
-    assert C.CompileOptions().inductor_config() == {"triton.cudagraphs": False}
+    default = C.CompileOptions().inductor_config()
+    marked = default.pop("unsafe_marked_cacheable_functions")
+    assert default == {"triton.cudagraphs": False}
+    assert set(C.CACHEABLE_FUNCTIONS) <= set(marked)
 
 
 def test_module_under_torch_compile_is_compiled_by_the_pack():
