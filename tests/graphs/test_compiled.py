@@ -582,6 +582,80 @@ def test_progress_callback_errors_never_break_a_compile():
     assert cm.compiles == 1 and not cm.failed
 
 
+def test_regions_share_one_compile_between_blocks_that_run_the_same_code():
+    """Three blocks of one configuration compile once between them, a wider block once more;
+    each block's output is its own (its weights are read at call time), and a second pass over
+    the blocks compiles nothing."""
+    torch.manual_seed(3)
+    blocks = [Block(32).eval().requires_grad_(False) for _ in range(3)]
+    wide = Block(64).eval().requires_grad_(False)
+    events: list[C.CompileProgress] = []
+    rc = C.RegionCompiler("Net", C.CompileOptions(backend="eager"), on_progress=events.append)
+    x, t, context, _, _ = unet_inputs()
+    emb = torch.randn(2, 32)
+    x64 = torch.randn(2, 64, 8, 8)
+    for _ in range(2):
+        with rc.session("2x32x8x8", total=4), torch.inference_mode():
+            outs = [rc(b, x.repeat(1, 8, 1, 1), emb, context) for b in blocks]
+            out_wide = rc(wide, x64, emb, context)
+        with torch.inference_mode():
+            for b, got in zip(blocks, outs, strict=True):
+                assert torch.allclose(got, b(x.repeat(1, 8, 1, 1), emb, context), atol=1e-5)
+            assert torch.allclose(out_wide, wide(x64, emb, context), atol=1e-5)
+        assert not torch.allclose(outs[0], outs[1])  # two blocks, two sets of weights
+        st = rc.stats()
+        assert st["regions"] == 2 and st["compiles"] == 2, st
+        assert st["failed_signatures"] == 0 and st["eager_calls"] == 0, st
+    assert rc.block_calls == 8
+    # one progress bar for the first pass (start, a step per block, done), none for the second
+    phases = [(e.phase, e.fraction) for e in events]
+    assert phases == [
+        ("start", 0.0),
+        ("lowered", 0.25),
+        ("lowered", 0.5),
+        ("lowered", 0.75),
+        ("lowered", 1.0),
+        ("done", 1.0),
+    ], phases
+
+
+def test_region_fingerprint_tells_configurations_and_layouts_apart():
+    a, b = Block(32), Block(32)
+    assert C.module_fingerprint(a) == C.module_fingerprint(b)  # values of weights do not count
+    with torch.no_grad():
+        b.conv1.weight.mul_(2)
+    assert C.module_fingerprint(a) == C.module_fingerprint(b)
+    assert C.module_fingerprint(a) != C.module_fingerprint(Block(32, ctx=16))  # a shape
+    c = Block(32)
+    c.conv1.weight.data = c.conv1.weight.data.to(memory_format=torch.channels_last)
+    assert C.module_fingerprint(a) != C.module_fingerprint(c)  # a layout
+    d = Block(32)
+    d.norm1.eps = 1e-3
+    assert C.module_fingerprint(a) != C.module_fingerprint(d)  # a setting the code reads
+    e = Block(32)
+    e.conv1.weight_function = [lambda w: w]  # as ComfyUI's layers hold LoRA functions
+    a.conv1.weight_function = []
+    assert C.module_fingerprint(a) != C.module_fingerprint(e)
+
+
+def test_a_region_that_fails_to_compile_runs_eager_and_the_others_stay_compiled(caplog):
+    class Untraceable(nn.Module):
+        def forward(self, x):
+            if x.sum().item() > 0:  # a host read of a value: no single graph
+                return x * 2
+            return x - 1
+
+    rc = C.RegionCompiler("Net", C.CompileOptions(backend="eager", fullgraph=True))
+    x = torch.ones(2, 4)
+    ok = nn.Linear(4, 4)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert torch.equal(rc(Untraceable(), x), Untraceable()(x))
+        assert torch.allclose(rc(ok, x), ok(x))
+    st = rc.stats()
+    assert st["failed_signatures"] == 1 and st["compiles"] == 1, st
+    assert sum("running eager" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_check_parity_reports_mismatches():
     x = torch.randn(16)
     same = C.check_parity(lambda v: v * 2, lambda v: v * 2, (x,))

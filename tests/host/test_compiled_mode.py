@@ -104,6 +104,90 @@ def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, native, t
     assert runner.psnr(got.latent, got2.latent) < 30
 
 
+def _regional_ok(host) -> bool:
+    import importlib
+
+    compat = importlib.import_module(host.pack_module_name + ".nodes.compat")
+    return compat.block_patch_reaches_every_layer()
+
+
+def test_regional_compile_shares_the_unets_blocks_and_matches_stock(
+    host, native, tiny_models, caplog
+):
+    """compile 'inductor regional': ComfyUI's UNet runs its ResBlocks and transformer blocks
+    through the block patch, each kind of block compiled once (fewer kinds than blocks), the
+    ControlNet compiled whole; the latent matches stock, and a second run with another strength
+    compiles nothing. On a ComfyUI whose block patch does not reach those blocks (0.3.x) the
+    UNet compiles whole, and one log line says why."""
+    import importlib
+
+    step = importlib.import_module(host.pack_module_name + ".nodes.compiled_step")
+    regional = _regional_ok(host)
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=6)
+    stock, _ = _run(r, wl, 5)
+    with caplog.at_level(logging.INFO, logger="ControlNetAccelerator"):
+        got, p = _run(r, wl, 5, _graph(compile="inductor regional"))
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
+    data = _badge(host, p)
+    comp = data["compiled"]
+    assert comp["failed_signatures"] == 0 and comp["eager_calls"] == 0, comp
+    assert data["captures"] >= 1 and data["replays"] >= 4, data
+    mcs = [mc for sets in step._MODELS.values() for mc in sets.values() if mc.options.regions]
+    assert len(mcs) == 1
+    kinds = len(mcs[0].regions.regions)
+    whole = sorted(cm.name for cm in mcs[0].cache.modules())
+    said = [r.getMessage() for r in caplog.records if "compiles whole instead" in r.getMessage()]
+    if regional:
+        _, blocks = step._unet_blocks(next(iter(step._BLOCKS.keys())))
+        assert 0 < kinds < blocks, (kinds, blocks)  # repeated blocks shared a compile
+        assert comp["compiles"] == kinds + 1, comp  # the kinds of block, and the ControlNet
+        assert whole == ["ControlNet"] and not said, (whole, said)
+    else:
+        assert kinds == 0 and whole == ["ControlNet", "UNet"], (kinds, whole)
+        assert len(said) == 1 and "block patch does not reach" in said[0], said
+
+    wl2 = wl.with_(strength=0.55)
+    stock2, _ = _run(r, wl2, 9)
+    got2, p2 = _run(r, wl2, 9, _graph(compile="inductor regional"))
+    assert runner.psnr(stock2.latent, got2.latent) >= MIN_PSNR
+    data2 = _badge(host, p2)
+    assert data2["compiled"]["compiles"] == 0, data2["compiled"]
+    assert runner.psnr(got.latent, got2.latent) < 30
+
+
+def test_regional_compile_refuses_patches_that_run_inside_the_blocks(host):
+    """The blocks' compiled code never sees the UNet's options, so a patch that runs inside a
+    transformer block (attention patches, attention replacements, an attention override) keeps
+    the UNet compiled whole; patches that ComfyUI runs between the blocks do not. Anything that
+    is not ComfyUI's SD UNet is refused."""
+    import importlib
+
+    import comfy.ldm.modules.diffusionmodules.openaimodel as oai
+
+    step = importlib.import_module(host.pack_module_name + ".nodes.compiled_step")
+
+    def patch(*args):
+        return args
+
+    assert "not ComfyUI's SD UNet" in step.regions_refused(torch.nn.Linear(2, 2), {})
+    unet = oai.UNetModel.__new__(oai.UNetModel)  # a UNet with no blocks, built in no time
+    torch.nn.Module.__init__(unet)
+    unet.input_blocks = torch.nn.ModuleList()
+    if not _regional_ok(host):  # ComfyUI 0.3.x: refused whatever the patches
+        assert "block patch does not reach" in step.regions_refused(unet, {})
+        return
+    assert step.regions_refused(unet, {}) is None
+    for between in ("input_block_patch", "output_block_patch", "emb_patch"):
+        assert step.regions_refused(unet, {"patches": {between: [patch]}}) is None
+    assert step.regions_refused(unet, {"patches": {"attn2_patch": []}}) is None  # empty list
+    assert "attn2_patch" in step.regions_refused(unet, {"patches": {"attn2_patch": [patch]}})
+    replace = {"patches_replace": {"attn1": {("input", 1, 0): patch}}}
+    assert "patches_replace" in step.regions_refused(unet, replace)
+    override = {"optimized_attention_override": patch}
+    assert "override" in step.regions_refused(unet, override)
+
+
 def test_compiled_runs_on_channels_last_weights_and_puts_them_back(
     host, native, tiny_models, monkeypatch
 ):
