@@ -105,10 +105,7 @@ class CompileOptions:
     left off: it folds the weights into the compiled code, which then misses weight changes.
     ``graph_passes``: callables run in order on each FX graph dynamo hands the backend, before
     inductor; each edits the graph in place and returns a line for the log (what it changed)
-    or None. A pass that raises fails that compile (the signature then runs eager).
-    ``regions``: for whoever compiles a network with these options, compile its repeated blocks
-    one by one (``RegionCompiler``) instead of the whole network; part of the settings so that
-    code compiled one way is never taken for the other."""
+    or None. A pass that raises fails that compile (the signature then runs eager)."""
 
     mode: str = "default"
     dynamic: str = "static"
@@ -117,7 +114,6 @@ class CompileOptions:
     backend: str = "inductor"
     inductor_options: tuple[tuple[str, object], ...] = ()
     graph_passes: tuple[Callable[[torch.fx.GraphModule], str | None], ...] = ()
-    regions: bool = False
 
     def __post_init__(self):
         for field, value, allowed in (
@@ -152,8 +148,7 @@ class CompileProgress:
     ``phase``: ``start`` (tracing begins), ``lowering`` (dynamo handed graph ``graphs`` to
     the backend), ``lowered`` (that graph is compiled; its first run follows), ``done``,
     ``failed`` (``detail`` says why), ``recompiled`` (a compiled signature compiled again).
-    ``elapsed_s`` counts from ``start``. ``fraction``: how much of the work is done (0–1),
-    where the compiler knows it (``RegionCompiler``), else None."""
+    ``elapsed_s`` counts from ``start``."""
 
     name: str
     signature: str
@@ -161,7 +156,6 @@ class CompileProgress:
     elapsed_s: float
     graphs: int = 0
     detail: str = ""
-    fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -434,9 +428,7 @@ class CompiledModule:
     docstring. ``name`` appears in logs and progress events. ``on_progress(CompileProgress)``
     is called during compiles; its exceptions are ignored. ``method``: compile and call this
     method of the module instead of calling the module (e.g. a forward body that a host's
-    wrappers call, so the wrappers themselves stay outside the compiled code). ``quiet``: the
-    per-compile log lines go to DEBUG (a caller that logs a summary of many compiles); failures
-    are still logged as warnings."""
+    wrappers call, so the wrappers themselves stay outside the compiled code)."""
 
     def __init__(
         self,
@@ -447,7 +439,6 @@ class CompiledModule:
         max_shapes: int = 4,
         on_progress: Callable[[CompileProgress], None] | None = None,
         method: str | None = None,
-        quiet: bool = False,
     ):
         if max_shapes < 1:
             raise ValueError("max_shapes must be at least 1")
@@ -460,7 +451,6 @@ class CompiledModule:
         self.options = options or CompileOptions()
         self.max_shapes = max_shapes
         self.on_progress = on_progress
-        self.quiet = quiet
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.failed: dict[Hashable, str] = {}
         self._logged: set[str] = set()
@@ -507,7 +497,6 @@ class CompiledModule:
             max_shapes=self.max_shapes,
             on_progress=self.on_progress,
             method=self.method,
-            quiet=self.quiet,
         )
 
     def is_compiled(self, *args, **kwargs) -> bool:
@@ -631,8 +620,7 @@ class CompiledModule:
             dynamic=self.options.dynamic == "dynamic",
             fullgraph=self.options.fullgraph,
         )
-        say = logger.debug if self.quiet else logger.info
-        say(
+        logger.info(
             "%s: compiling for %s (%s, mode %s, %s shapes); the first time for a shape takes "
             "a while, later runs read the cache%s",
             self.name,
@@ -682,7 +670,7 @@ class CompiledModule:
             self._drop(old)
         self._progress("done", label, elapsed, made)
         in_backend = self.backend_s - backend_s
-        say(
+        logger.info(
             "%s: compiled for %s in %.1f s (%d graph%s%s; %.1f s compiling the graphs or "
             "reading them from the cache, %.1f s tracing the Python and the first run)",
             self.name,
@@ -939,195 +927,3 @@ class CompileCache:
             max_shapes=self.max_shapes,
             on_progress=self.on_progress,
         )
-
-
-# -- repeated blocks compiled once (regional compilation) -----------------------------------------
-
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain(v):
-    """A hashable stand-in for an attribute that can steer a block's code, or None to skip it."""
-    if isinstance(v, _PLAIN):
-        return v
-    if isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v):
-        return v
-    if isinstance(v, list | dict):  # e.g. a layer's weight functions: their number matters
-        return ("len", type(v).__name__, len(v))
-    if isinstance(v, torch.dtype):
-        return v
-    return None
-
-
-def module_fingerprint(module: torch.nn.Module) -> Hashable:
-    """What makes two blocks run the same code: each submodule's type, its plain attributes
-    (numbers, flags, strings, dtypes, the lengths of lists and dicts), and its parameters' and
-    buffers' shapes, strides, dtypes and devices. Values of weights are not part of it."""
-    out = []
-    for name, sub in module.named_modules():
-        attrs = []
-        for k, v in vars(sub).items():
-            if k in ("_parameters", "_buffers", "_modules"):
-                continue
-            pv = _plain(v)
-            if pv is not None:
-                attrs.append((k, pv))
-        tensors = tuple(
-            (n, tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-            for n, t in (*sub._parameters.items(), *sub._buffers.items())
-            if t is not None
-        )
-        out.append((name, type(sub), tuple(sorted(attrs, key=lambda kv: kv[0])), tensors))
-    return tuple(out)
-
-
-def _call_block(block, *args, **kwargs):
-    return block(*args, **kwargs)
-
-
-class RegionCompiler:
-    """Blocks of a network compiled one at a time, each kind once.
-
-    ``regions(block, *args, **kwargs)`` runs ``block(*args, **kwargs)`` compiled. Blocks that
-    run the same code (same ``module_fingerprint``: type, configuration, parameter shapes) and
-    get inputs of the same signature share one compile: the block is an input of the compiled
-    function and its weights are read at call time, so an SD UNet's 16 transformer blocks
-    compile 4 times (one per width) and a ControlNet's encoder could reuse the UNet's. The code
-    between the blocks runs eager. Compiling less costs fusion across block boundaries.
-
-    Each kind of block is a ``CompiledModule`` (its rules apply: no compile inside a capture,
-    never a silent recompile, any failure runs that kind eager and logs once). At most
-    ``max_regions`` kinds are kept, least recently used dropped first.
-
-    ``session(label, total)`` groups the block calls of one network call: one progress bar
-    (``fraction`` = blocks called / ``total``), and one log line when something compiled."""
-
-    def __init__(
-        self,
-        name: str,
-        options: CompileOptions | None = None,
-        *,
-        max_regions: int = 64,
-        max_shapes: int = 4,
-        on_progress: Callable[[CompileProgress], None] | None = None,
-    ):
-        if max_regions < 1:
-            raise ValueError("max_regions must be at least 1")
-        self.name = name
-        self.options = options or CompileOptions()
-        self.max_regions = max_regions
-        self.max_shapes = max_shapes
-        self.on_progress = on_progress
-        self.regions: OrderedDict[Hashable, CompiledModule] = OrderedDict()
-        self._lock = threading.RLock()
-        self._session: dict | None = None
-        self.block_calls = 0
-
-    def __call__(self, block: torch.nn.Module, *args, **kwargs):
-        key = (type(block), module_fingerprint(block))
-        with self._lock:
-            cm = self.regions.get(key)
-            if cm is None:
-                cm = CompiledModule(
-                    _call_block,
-                    f"{self.name} block {len(self.regions) + 1} ({type(block).__name__})",
-                    self.options,
-                    max_shapes=self.max_shapes,
-                    on_progress=self._inner_progress,
-                    quiet=True,
-                )
-                self.regions[key] = cm
-                while len(self.regions) > self.max_regions:
-                    _, old = self.regions.popitem(last=False)
-                    old.reset()
-            else:
-                self.regions.move_to_end(key)
-        self.block_calls += 1
-        out = cm(block, *args, **kwargs)
-        s = self._session
-        if s is not None:
-            s["calls"] += 1
-            if s["started"] is not None and s["total"]:
-                self._emit("lowered", s, fraction=min(1.0, s["calls"] / s["total"]))
-        return out
-
-    # -- progress and the summary line ---------------------------------------------------------
-
-    @contextlib.contextmanager
-    def session(self, label: str, total: int) -> Iterator[None]:
-        before = self.stats()
-        s = {"label": label, "total": max(0, int(total)), "calls": 0, "started": None}
-        outer, self._session = self._session, s
-        try:
-            yield
-        finally:
-            self._session = outer
-            if s["started"] is not None:
-                elapsed = time.perf_counter() - s["started"]
-                now = self.stats()
-                made = now["compiles"] - before["compiles"]
-                failed = now["failed_signatures"] - before["failed_signatures"]
-                self._emit("done", s, fraction=1.0)
-                logger.info(
-                    "%s: compiled %d kind(s) of block for %s in %.1f s (%d block call(s); %.1f "
-                    "s compiling the graphs or reading them from the cache)%s",
-                    self.name,
-                    made,
-                    label,
-                    elapsed,
-                    s["calls"],
-                    now["backend_s"] - before["backend_s"],
-                    f"; {failed} kind(s) run eager (see the warnings)" if failed else "",
-                )
-
-    def _inner_progress(self, ev: CompileProgress) -> None:
-        s = self._session
-        if s is None or ev.phase != "start" or s["started"] is not None:
-            return
-        s["started"] = time.perf_counter()
-        logger.info(
-            "%s: compiling its blocks one kind at a time for %s (%s, mode %s); the first time "
-            "for a shape takes a while, later runs read the cache",
-            self.name,
-            s["label"],
-            self.options.backend,
-            self.options.mode,
-        )
-        self._emit("start", s, fraction=0.0)
-
-    def _emit(self, phase: str, s: dict, fraction: float | None = None) -> None:
-        if self.on_progress is None:
-            return
-        elapsed = time.perf_counter() - s["started"] if s["started"] is not None else 0.0
-        try:
-            self.on_progress(
-                CompileProgress(self.name, s["label"], phase, elapsed, fraction=fraction)
-            )
-        except Exception as e:  # a progress bar must never break a compile
-            logger.debug("%s: progress callback failed: %s", self.name, e)
-
-    # -- state ---------------------------------------------------------------------------------
-
-    def stats(self) -> dict:
-        out = {
-            "regions": len(self.regions),
-            "compiles": 0,
-            "recompiles": 0,
-            "graphs": 0,
-            "compile_s": 0.0,
-            "backend_s": 0.0,
-            "failed_signatures": 0,
-            "eager_calls": 0,
-        }
-        for cm in list(self.regions.values()):
-            st = cm.stats()
-            for k in out:
-                if k != "regions":
-                    out[k] += st[k]
-        return out
-
-    def reset(self) -> None:
-        with self._lock:
-            for cm in self.regions.values():
-                cm.reset()
-            self.regions.clear()

@@ -247,11 +247,6 @@ VARIANTS["fused+graph_compiled"] = _chain(_fused_apply, VARIANTS["graph_compiled
 VARIANTS["graph_compiled_autotune"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=21, verify=False, compile="inductor max-autotune"
 )
-# The node's regional choice: the UNet's blocks compiled one kind at a time (shorter compile),
-# the ControlNets whole. max_graphs 20: an input unlike the other variants'.
-VARIANTS["graph_compiled_regional"] = _insert_model_node(
-    "CNA_CUDAGraph", enabled=True, max_graphs=20, verify=False, compile="inductor regional"
-)
 # Environment settings a variant runs under (set for each of its runs, put back after): a switch
 # that is on by default, compared with it off side by side in one process.
 VARIANT_ENV: dict[str, dict[str, str]] = {}

@@ -26,11 +26,6 @@ What differs, and how each is handled:
   (``dynamic_layers``) is read at an address that stays valid only while ComfyUI's per-layer
   code keeps it faulted in; a graph replay skips that code. ``capture_blocker`` names the
   reason the pack's graphs run such a model eager.
-- **The UNet's block patch.** ``forward_timestep_embed_patch`` (``ModelPatcher.
-  set_model_forward_timestep_embed_patch``) is consulted for every layer of a UNet block in
-  0.33, but in 0.3.64 only for layers that are not ResBlocks, transformer blocks or upsamplers.
-  ``block_patch_reaches_every_layer`` tells by calling ComfyUI's own loop on a stand-in block;
-  compiled mode's ``inductor regional`` needs it and otherwise compiles the UNet whole.
 - **Memory management.** Unloading uses ``model_management.free_memory(..., keep_loaded=...)``
   (both versions) instead of editing ``current_loaded_models``: ``unload_models_of`` and
   ``unload_all_but``.
@@ -317,28 +312,3 @@ def comfyui_captures(module) -> bool:
         return any(getattr(m, "_comfy_graph", None) is not None for m in module.modules())
     except Exception:  # not a torch module
         return False
-
-
-_BLOCK_PATCH: dict = {}
-
-
-def block_patch_reaches_every_layer() -> bool:
-    """Whether ComfyUI's ``forward_timestep_embed`` hands a ResBlock-like layer (a
-    ``TimestepBlock``) to the ``forward_timestep_embed_patch`` handlers. Found by running that
-    loop once on a stand-in layer, not by version number; False where the function is missing."""
-    if "ok" in _BLOCK_PATCH:
-        return _BLOCK_PATCH["ok"]
-    ok = False
-    try:
-        from comfy.ldm.modules.diffusionmodules import openaimodel as oai
-
-        class _Probe(oai.TimestepBlock):
-            def forward(self, x, emb):
-                return "stock"
-
-        opts = {"patches": {"forward_timestep_embed_patch": [(_Probe, lambda *a: "patched")]}}
-        ok = oai.forward_timestep_embed([_Probe()], None, None, None, opts) == "patched"
-    except Exception as e:
-        logger.debug("block patch probe failed: %s", e)
-    _BLOCK_PATCH["ok"] = ok
-    return ok

@@ -43,20 +43,15 @@ import os
 import threading
 import weakref
 
-import torch
-
 from ..graphs.compiled import (
     CompileCache,
     CompileOptions,
     CompileProgress,
-    RegionCompiler,
-    describe,
     options_from_torch_compile,
 )
 from ..kernels import fx_rewrites
 from ..kernels.fx_rewrites import GroupNormRewrite
 from ..logger import logger
-from . import compat
 
 COMPILE_RUN_KEY = "cna.compile_run"  # transformer_options entry: the run's CompileRun
 TORCH_COMPILE_KEY = "torch.compile"  # ComfyUI's TorchCompileModel wrapper key (APPLY_MODEL)
@@ -78,10 +73,6 @@ CHOICES: dict[str, CompileOptions | None] = {
     "inductor max-autotune": CompileOptions(
         mode="max-autotune-no-cudagraphs", graph_passes=GRAPH_PASSES
     ),
-    # The UNet's blocks compiled one kind at a time (graphs.compiled.RegionCompiler): repeated
-    # blocks compile once, so the first compile and a restart take less; the code between the
-    # blocks runs eager inside the graph. The ControlNets compile whole, as with "inductor".
-    "inductor regional": CompileOptions(graph_passes=GRAPH_PASSES, regions=True),
 }
 MAX_MODULES = 8  # compiled networks per model: the UNet and up to 7 ControlNets
 # Compile settings kept per model: switching the node between two settings and back (or two
@@ -137,9 +128,6 @@ class ModelCompile:
     def __init__(self, options: CompileOptions):
         self.options = options
         self.cache = CompileCache(options, max_modules=MAX_MODULES, max_shapes=MAX_SHAPES)
-        # the UNet's blocks, when options.regions (kinds of block shared by every UNet of the
-        # model: one model holds one UNet)
-        self.regions = RegionCompiler("UNet", options, max_shapes=MAX_SHAPES)
         # network -> its stand-in, stable across calls (the Feature Cache keys its buffer
         # pools by the network object it is handed)
         self.nets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -161,7 +149,8 @@ class ModelCompile:
             "failed_signatures": 0,
             "eager_calls": 0,
         }
-        for s in [cm.stats() for cm in self.cache.modules()] + [self.regions.stats()]:
+        for cm in self.cache.modules():
+            s = cm.stats()
             for k in out:
                 out[k] += s[k]
         return out
@@ -223,11 +212,7 @@ class CompileRun:
             import comfy.utils
 
             n = PROGRESS_TOTAL
-            if ev.fraction is not None and ev.phase in ("start", "lowered"):
-                if ev.phase == "start" or self._bar is None:
-                    self._bar = comfy.utils.ProgressBar(n)
-                self._bar.update_absolute(max(n // 50, min(n * 98 // 100, int(n * ev.fraction))))
-            elif ev.phase == "start":
+            if ev.phase == "start":
                 self._bar = comfy.utils.ProgressBar(n)
                 self._bar.update_absolute(n // 50)
             elif self._bar is not None:
@@ -303,7 +288,6 @@ def begin_run(
             )
     run = CompileRun(model_compile(model, options), source)
     run.model.cache.on_progress = run.on_progress
-    run.model.regions.on_progress = run.on_progress
     topts[COMPILE_RUN_KEY] = run
     return run, None
 
@@ -330,131 +314,11 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
     # The UNet writes its own entries (original_shape, transformer_index …) into the options it
     # is handed; a copy per call keeps the compiled signature the same on every call.
-    mine = dict(topts)
-    if run.options.regions:
-        why = regions_refused(executor.class_obj, topts)
-        if why is None:
-            return _run_regional(run, executor, mine, args, kwargs)
-        _log_once(
-            ("regions", why),
-            "CUDA Graph: compile 'inductor regional': the UNet compiles whole instead (%s)",
-            why,
-        )
     if len(args) > 5:
-        args = (*args[:5], mine, *args[6:])
+        args = (*args[:5], dict(topts), *args[6:])
     else:
-        kwargs["transformer_options"] = mine
+        kwargs["transformer_options"] = dict(topts)
     return run.model.unet(executor.class_obj)(*args, **kwargs)
-
-
-# -- compile 'inductor regional': the UNet's blocks through ComfyUI's block patch --------------
-
-# Patches that ComfyUI's UNet runs between its blocks (in _forward), not inside them: the blocks'
-# compiled code does not need to see them. Any other patch (attention patches, replacements)
-# runs inside a transformer block and keeps the UNet compiled whole.
-OUTSIDE_PATCHES = frozenset(
-    {
-        "input_block_patch",
-        "input_block_patch_after_skip",
-        "output_block_patch",
-        "emb_patch",
-        "forward_timestep_embed_patch",
-    }
-)
-_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # UNet -> (refusal, blocks)
-
-
-def _block_types():
-    from comfy.ldm.modules.attention import SpatialTransformer, SpatialVideoTransformer
-    from comfy.ldm.modules.diffusionmodules.openaimodel import ResBlock, VideoResBlock
-
-    return ResBlock, SpatialTransformer, (VideoResBlock, SpatialVideoTransformer)
-
-
-def _unet_blocks(unet) -> tuple[str | None, int]:
-    """(why the UNet's blocks cannot be compiled one by one, or None; how many blocks)."""
-    try:
-        got = _BLOCKS.get(unet)
-    except TypeError:
-        got = None
-    if got is not None:
-        return got
-    try:
-        res, st, video = _block_types()
-    except Exception as e:  # a ComfyUI without these classes
-        res = st = video = None
-        got = (f"this ComfyUI has no UNet blocks to patch ({type(e).__name__}: {e})", 0)
-    mods = list(unet.modules()) if isinstance(unet, torch.nn.Module) else []
-    if res is None:
-        pass
-    elif not hasattr(unet, "input_blocks"):
-        got = (f"{type(unet).__name__} is not ComfyUI's SD UNet", 0)
-    elif not compat.block_patch_reaches_every_layer():
-        got = (
-            "this ComfyUI's block patch does not reach ResBlocks and transformer blocks "
-            "(ComfyUI 0.3.x; newer releases do)",
-            0,
-        )
-    elif any(isinstance(m, video) for m in mods):
-        got = ("video blocks take inputs the block patch does not pass on", 0)
-    else:
-        got = (None, sum(1 for m in mods if type(m) in (res, st)))
-    try:
-        _BLOCKS[unet] = got
-    except TypeError:
-        pass
-    return got
-
-
-def regions_refused(unet, transformer_options: dict) -> str | None:
-    """Why this call of the UNet cannot run its blocks compiled one by one, or None."""
-    why, _ = _unet_blocks(unet)
-    if why is not None:
-        return why
-    patches = transformer_options.get("patches") or {}
-    inside = sorted(k for k, v in patches.items() if v and k not in OUTSIDE_PATCHES)
-    if inside:
-        return f"patches that run inside the blocks: {', '.join(inside)}"
-    if any((transformer_options.get("patches_replace") or {}).values()):
-        return "attention replacements (patches_replace) run inside the blocks"
-    if "optimized_attention_override" in transformer_options:
-        return "an attention override runs inside the blocks"
-    return None
-
-
-def _region_patch(regions: RegionCompiler) -> list:
-    """``forward_timestep_embed_patch`` entries routing the UNet's ResBlocks and transformer
-    blocks to their compiled code. A transformer block gets options of its own: with no patch
-    inside the blocks (``regions_refused``), ComfyUI's block reads its options only to look for
-    patches, and the block position in the UNet's options would make each block a kind of its
-    own."""
-    res, st, _ = _block_types()
-
-    def res_block(layer, x, emb, *rest):
-        return regions(layer, x, emb)
-
-    def transformer(layer, x, emb, context, transformer_options, *rest):
-        x = regions(layer, x, context, {})
-        if "transformer_index" in transformer_options:  # as ComfyUI's own loop does
-            transformer_options["transformer_index"] += 1
-        return x
-
-    return [(res, res_block), (st, transformer)]
-
-
-def _run_regional(run, executor, topts: dict, args, kwargs):
-    patches = dict(topts.get("patches") or {})
-    theirs = list(patches.get("forward_timestep_embed_patch") or [])
-    patches["forward_timestep_embed_patch"] = theirs + _region_patch(run.model.regions)
-    topts["patches"] = patches
-    if len(args) > 5:
-        args = (*args[:5], topts, *args[6:])
-    else:
-        kwargs["transformer_options"] = topts
-    _, total = _unet_blocks(executor.class_obj)
-    label = describe(args[:1], {}) if args else describe((), {"x": kwargs.get("x")})
-    with run.model.regions.session(label, total):
-        return executor(*args, **kwargs)
 
 
 _LOGGED: set = set()  # messages said once per process (bounded by the distinct settings seen)
