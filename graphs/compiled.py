@@ -85,6 +85,13 @@ CACHEABLE_FUNCTIONS = (
     "torch.nn.attention._sdpa_kernel",
 )
 
+# Said when a max-autotune compile starts: it benchmarks kernels for every GEMM and convolution
+# shape (SD1.5 512² on an H200: over 15 minutes, docs/benchmarks.md).
+AUTOTUNE_NOTE = (
+    " (max-autotune benchmarks kernels for every GEMM and convolution shape: many minutes, "
+    "over 15 for SD1.5 on a fast GPU)"
+)
+
 # Relative L2 error allowed between compiled and eager outputs, by output dtype: inductor fuses
 # reductions and keeps fp32 accumulators where eager rounds to the storage dtype in between.
 PARITY_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
@@ -622,12 +629,13 @@ class CompiledModule:
         )
         logger.info(
             "%s: compiling for %s (%s, mode %s, %s shapes); the first time for a shape takes "
-            "a while, later runs read the cache%s",
+            "a while%s, later runs read the cache%s",
             self.name,
             label,
             self.options.backend,
             self.options.mode,
             self.options.dynamic,
+            AUTOTUNE_NOTE if self.options.mode.startswith("max-autotune") else "",
             f" in {cache.path}" if cache is not None else "",
         )
         graphs, backend_s = self.graphs, self.backend_s

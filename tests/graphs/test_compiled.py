@@ -490,6 +490,17 @@ def test_the_compile_log_splits_the_backends_time_from_the_rest(caplog):
     assert backend >= 0.3 and abs(total - backend - rest) <= 0.11
 
 
+def test_a_max_autotune_compile_says_up_front_that_it_takes_many_minutes(caplog):
+    lin = nn.Linear(4, 4).requires_grad_(False)
+    for mode, said in (("max-autotune-no-cudagraphs", True), ("default", False)):
+        caplog.clear()
+        cm = C.CompiledModule(lin, "UNet", C.CompileOptions(backend="eager", mode=mode))
+        with caplog.at_level(logging.INFO, logger=LOGGER), torch.inference_mode():
+            cm(torch.randn(2, 4))
+        line = next(r.getMessage() for r in caplog.records if "compiling for" in r.message)
+        assert ("many minutes" in line) is said, line
+
+
 def test_lru_keeps_max_shapes_and_evicted_shapes_compile_again():
     lin = nn.Linear(4, 4).requires_grad_(False)
     cm = C.CompiledModule(lin, "UNet", C.CompileOptions(backend="eager"), max_shapes=2)
