@@ -47,11 +47,11 @@ _CC_TIP = (
 _COMPILE_TIP = (
     "Compile the UNet and ControlNets with PyTorch's inductor and capture the compiled code in "
     "the graphs (needs Triton on a GPU). The first run at a new image size or batch compiles "
-    "first (about a minute for SD1.5 on a fast machine; the progress bar shows it); later runs "
-    "and ComfyUI restarts read the compile cache on disk. Changing strength, prompt, seed or "
+    "first (1–2 minutes for SD1.5 + 1 ControlNet on an H200; the progress bar shows it); later "
+    "runs and ComfyUI restarts read the compile cache on disk. Changing strength, prompt, seed or "
     "start/end never compiles again. Results differ from stock by fp16 rounding only. "
     "max-autotune benchmarks about 20 kernels per GEMM and convolution shape: its first "
-    "compile at a new size takes over 15 minutes for SD1.5 on an H200. Needs ComfyUI started "
+    "compile took over 15 minutes for SD1.5 at 512² on an H200. Needs ComfyUI started "
     "with --disable-cuda-malloc (otherwise it stays off and says why). Off: exact stock "
     "kernels. A model from TorchCompileModel is compiled this way even when off."
 )
