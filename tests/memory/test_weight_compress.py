@@ -183,3 +183,71 @@ def test_no_page_locked_ram_streams_pageable_and_says_so(monkeypatch, caplog):
     assert len(warned) == 1 and "Memory Pool" in warned[0] and "'int8'" in warned[0]
     x = torch.randn(3, 96)
     assert torch.equal(s1(x), lin(x))
+
+
+def _int8_stack(device, dtype, scratch, seed=5):
+    """Conv → Linear → Conv, each INT8 with ``scratch`` (None: temporaries), and an input."""
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    convs = [torch.nn.Conv2d(64, 96, 3, padding=1), torch.nn.Conv2d(96, 64, 3, padding=1)]
+    lin = torch.nn.Linear(64, 64)
+    layers = [wc.compress(m.to(dtype), scratch=scratch).to(device) for m in (convs[0], lin)]
+    layers.append(wc.compress(convs[1].to(dtype), scratch=scratch).to(device))
+    x = torch.randn(2, 64, 8, 8, generator=g).to(device, dtype)
+
+    def run(x):
+        h = layers[0](x)
+        h = layers[1](h.permute(0, 2, 3, 1).reshape(2, 8, 8, 96)[..., :64]).reshape(2, 8, 8, 64)
+        h = torch.cat([h.permute(0, 3, 1, 2), h.permute(0, 3, 1, 2)[:, :32]], 1)
+        return layers[2](h)
+
+    return run, x, layers
+
+
+def test_the_expansion_buffer_is_used_on_gpus_only_and_sized_for_the_largest_layer():
+    s = wc.ExpansionScratch(1000, keep_bytes=500)
+    assert s.max_bytes == 2000
+    # CPU: a temporary serves (nothing allocated)
+    assert s.target(torch.Size([10, 10]), torch.float16, torch.device("cpu")) == (None, 0.0)
+    assert s.allocated_bytes() == 0
+    run, x, layers = _int8_stack("cpu", torch.float32, s)
+    ref, *_ = _int8_stack("cpu", torch.float32, None)
+    assert torch.equal(run(x), ref(x)) and s.allocated_bytes() == 0
+    assert all(layer.scratch is s for layer in layers)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("keep_bytes", [0, 40_000, 1 << 24])
+def test_layers_expanding_into_one_buffer_compute_what_temporaries_compute(dtype, keep_bytes):
+    """One buffer for the three layers (each overwrites the last one's weight), with and
+    without the L2 hint, in eager and in a CUDA graph: bit for bit the temporaries' result."""
+    s = wc.ExpansionScratch(96 * 64 * 9, keep_bytes=keep_bytes)
+    run, x, layers = _int8_stack("cuda", dtype, s)
+    ref_run, ref_x, _ = _int8_stack("cuda", dtype, None)
+    want = ref_run(ref_x)
+    got = run(x)
+    assert torch.equal(got, want)
+    assert s.allocated_bytes() == 96 * 64 * 9 * 2  # one buffer, made once
+    ptr = s._buffers[torch.device("cuda", torch.cuda.current_device())].data_ptr()
+    # fp32 does not fit the 2-byte buffer: a temporary, same values as without the buffer
+    ref32, x32, _ = _int8_stack("cuda", torch.float32, None)
+    run32, _, _ = _int8_stack("cuda", torch.float32, s)
+    assert torch.equal(run32(x32), ref32(x32))
+    # captured: the replay reads the buffer that every layer rewrites
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run(static_x)
+    for scale in (1.0, -0.5):
+        static_x.copy_(x * scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, ref_run(ref_x * scale))
+    assert s._buffers[torch.device("cuda", torch.cuda.current_device())].data_ptr() == ptr
