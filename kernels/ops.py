@@ -87,13 +87,11 @@ def _register() -> None:
         return None
 
     @torch.library.custom_op("cna::dequant_rows_", mutates_args=("out",))
-    def _dequant_rows_op(
-        out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, l2_keep: float = 0.0
-    ) -> None:
-        _jit.module().dequant_rows_(out, q, scale, l2_keep)
+    def _dequant_rows_op(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+        _jit.module().dequant_rows_(out, q, scale)
 
     @_dequant_rows_op.register_fake
-    def _(out, q, scale, l2_keep=0.0):
+    def _(out, q, scale):
         return None
 
     @torch.library.custom_op("cna::group_norm_silu", mutates_args=())
@@ -305,32 +303,15 @@ def dequant_add_(
     eager.dequant_add_(hidden, q, scale, strength)
 
 
-def dequant_rows(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    l2_keep: float = 0.0,
-) -> torch.Tensor:
+def dequant_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q (R, ...) int8, scale (R, 1, ...) or (R,) float32 -> q · scale[r] in ``dtype``: the
-    Memory Pool's INT8 weights expanded for one layer call. ``out``: a contiguous tensor of q's
-    shape in ``dtype`` to write (else a new one). ``l2_keep`` in [0, 1]: on the CUDA backend, the
-    share of the written lines kept in the GPU's L2 cache for the layer that reads them next
-    (sm_80+; a hint only, the values are the same)."""
+    Memory Pool's INT8 weights expanded for one layer call."""
     if q.dtype != torch.int8 or q.dim() < 1 or scale.numel() != q.shape[0]:
         raise ValueError("dequant_rows: q must be int8 and scale hold one value per row")
-    if not 0.0 <= l2_keep <= 1.0:
-        raise ValueError(f"dequant_rows: l2_keep must be in [0, 1], got {l2_keep}")
-    if out is None:
-        out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(
-            f"dequant_rows: out must be contiguous {dtype} of shape {tuple(q.shape)}, got "
-            f"{out.dtype} {tuple(out.shape)}"
-        )
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
     backend = registry.select("dequant_rows", [out, q, scale])
     if backend == "cuda" and _cuda_ok("dequant_rows", q=q, scale=scale, out=out):
-        _cna().dequant_rows_(out, q, scale.contiguous(), float(l2_keep))
+        _cna().dequant_rows_(out, q, scale.contiguous())
         return out
     return eager.dequant_rows(q, scale, dtype, out)
 
@@ -375,19 +356,13 @@ def group_norm_nhwc(
 
 
 def int8_linear(
-    x: torch.Tensor,
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    weight_out: torch.Tensor | None = None,
-    l2_keep: float = 0.0,
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``F.linear(x, q · scale, bias)`` for x (..., K), q int8 (N, K), scale float32 with one
     value per row: the Memory Pool's INT8 Linear. With the CUDA backend chosen for it (only
     under ``CNA_KERNELS=cuda``: see ``registry.VALIDATED_TRITON``) one matrix multiply that
     reads the INT8 weight directly (``int8_matmul``); otherwise the weight is expanded to x's
-    dtype first (``dequant_rows``, into ``weight_out`` with ``l2_keep`` when given) and
-    multiplied by PyTorch."""
+    dtype first (``dequant_rows``) and multiplied by PyTorch."""
     if q.dtype != torch.int8 or q.dim() != 2 or scale.numel() != q.shape[0]:
         raise ValueError("int8_linear: q must be 2-D int8 and scale hold one value per row")
     tensors = [x, q, scale] + ([bias] if bias is not None else [])
@@ -395,5 +370,4 @@ def int8_linear(
         "int8_linear", x=x, q=q, scale=scale, bias=bias
     ):
         return _cna().int8_linear(x, q, scale.reshape(-1).contiguous(), bias)
-    w = dequant_rows(q, scale, x.dtype, out=weight_out, l2_keep=l2_keep)
-    return F.linear(x, w, bias)
+    return F.linear(x, dequant_rows(q, scale, x.dtype), bias)

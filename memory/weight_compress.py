@@ -15,12 +15,9 @@ one elementwise kernel per layer call (``kernels.dequant_rows``: the int8 weight
 row's scale, written straight into a tensor of the input's dtype): it reads 1 byte and writes 2
 per weight, in place on the layer's stream. PyTorch's own mixed-dtype ``mul`` did the same at
 about a fifth of the bandwidth on the H200 (+7.4 ms per SD1.5 step with two ControlNets), hence
-the kernel. On a GPU, the layers of one model expand into one shared buffer
-(``ExpansionScratch``, as large as the model's largest layer), one layer after another on the
-stream the model runs on, and the kernel asks the GPU's L2 cache to keep what it writes: the
-layer reads its weight from L2 right after, and the next expansion overwrites lines still
-there instead of the previous weight being written back to DRAM. Elsewhere (CPU, fp32, or
-while torch.compile traces) the expanded weight is a temporary, as the allocator gives it.
+the kernel. The dequantized weight is a temporary: the caching allocator (or a CUDA graph's
+pool) reuses its memory for the next layer, so at most a layer or two of fp16 weights exist at
+any time.
 
 Error: symmetric rounding to 255 levels per output channel, |w − ŵ| ≤ scale/2 with scale =
 max|w_row| / 127 (tested). When a layer's int8 weight lives on another device than its input
@@ -52,59 +49,6 @@ MIN_NUMEL = 4096
 # (0 compresses every layer) for measurements.
 SMALL_NUMEL = 1 << 19
 SMALL_SHARE = 0.04
-
-
-# How much of each expanded weight the kernel asks L2 to keep (evict-last) for the layer that
-# reads it: up to L2_KEEP_BYTES of it. The GPU runs the UNet and the ControlNets on two streams
-# at once, each with its own buffer, and the rest of L2 serves the layer's activations.
-# CNA_POOL_L2_KEEP_MB overrides it (0: no hint); CNA_POOL_SCRATCH=0 expands into temporaries
-# instead of the shared buffer. Both for measurements.
-L2_KEEP_BYTES = 12 << 20
-
-
-def _env_float(name: str, default: float) -> float:
-    v = os.environ.get(name, "").strip()
-    return float(v) if v else default
-
-
-class ExpansionScratch:
-    """The buffer a model's INT8 layers expand their weights into: one per device, sized for the
-    largest layer (``max_numel`` 2-byte weights), made on first use and kept as long as the
-    layers. Safe because one model's layers run one after another on one stream: a layer's
-    matrix multiply or convolution is queued before the next layer's expansion overwrites the
-    buffer. A weight that does not fit (fp32) gets a temporary instead."""
-
-    def __init__(self, max_numel: int, keep_bytes: int | None = None):
-        self.max_bytes = int(max_numel) * 2
-        if keep_bytes is None:
-            keep_bytes = int(
-                _env_float("CNA_POOL_L2_KEEP_MB", L2_KEEP_BYTES / (1 << 20)) * (1 << 20)
-            )
-        self.keep_bytes = max(0, int(keep_bytes))
-        self.enabled = os.environ.get("CNA_POOL_SCRATCH", "1").strip() != "0"
-        self._buffers: dict[torch.device, torch.Tensor] = {}
-
-    def target(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
-        """(a view of the buffer of ``shape`` and ``dtype`` on ``device``, the L2 share to keep),
-        or (None, 0.0) where a temporary serves."""
-        if not self.enabled or device.type != "cuda" or torch.compiler.is_compiling():
-            return None, 0.0
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        if nbytes > self.max_bytes or nbytes == 0:
-            return None, 0.0
-        buf = self._buffers.get(device)
-        if buf is None:
-            buf = self._buffers[device] = torch.empty(
-                self.max_bytes, dtype=torch.uint8, device=device
-            )
-        keep = min(1.0, self.keep_bytes / nbytes) if self.keep_bytes else 0.0
-        return buf[:nbytes].view(dtype).view(shape), keep
-
-    def allocated_bytes(self) -> int:
-        return sum(b.numel() for b in self._buffers.values())
 
 
 def small_layers_kept(sizes: dict[str, int], share: float | None = None) -> set[str]:
@@ -210,37 +154,19 @@ class _Int8Weight(_Replaced):
     """INT8 weight + fp32 scale per output channel, as (frozen) parameters that ComfyUI's
     loader moves to the GPU; expanded to the input's dtype where the layer runs."""
 
-    def __init__(
-        self,
-        layer,
-        weight: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None,
-        scratch: ExpansionScratch | None = None,
-    ):
+    def __init__(self, layer, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
         super().__init__(layer, layer.bias if bias is None else bias)
         weight = layer.weight if weight is None else weight  # None: the layer's own
         q, scale = quantize_per_channel(weight)
         self.q = torch.nn.Parameter(q, requires_grad=False)
         self.scale = torch.nn.Parameter(scale, requires_grad=False)
         self.weight_dtype = weight.dtype  # what the original held (for reports)
-        self.scratch = scratch
-
-    def _scratch_target(self, x: torch.Tensor) -> tuple[torch.Tensor | None, float]:
-        """Where to expand the weight for ``x``: (a view of the model's shared buffer, the L2
-        share to keep), or (None, 0.0) for a temporary (no buffer, not on the GPU, the weight
-        elsewhere than the input, too large)."""
-        if self.scratch is None or self.q.device != x.device:
-            return None, 0.0
-        return self.scratch.target(self.q.shape, x.dtype, x.device)
 
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
         # Expanded in place, on the layer's stream. Expanding one layer ahead on a side stream
         # (memory/prefetch.py) was measured slower under CUDA graphs on the H200: W2 22.16 ->
         # 25.19 ms/step, the ~850 cross-stream dependencies of a step cost more
         # than the copies they hid.
-        out, keep = self._scratch_target(x)
-        if out is not None:
-            return kernels.dequant_rows(self.q, self.scale, x.dtype, out=out, l2_keep=keep)
         return dequantize(self.q, self.scale, x.dtype, x.device)
 
     def compressed_bytes(self) -> int:
@@ -255,12 +181,9 @@ class Int8Linear(_Int8Weight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q.device != x.device:  # low-VRAM: the weight is copied per call, then expanded
             return super().forward(x)
-        out, keep = self._scratch_target(x)
         # The expansion then F.linear, as for convolutions; with CNA_KERNELS=cuda one matrix
         # multiply reading the INT8 weight (kernels.int8_linear says which).
-        return kernels.int8_linear(
-            x, self.q, self.scale, self._bias_for(x), weight_out=out, l2_keep=keep
-        )
+        return kernels.int8_linear(x, self.q, self.scale, self._bias_for(x))
 
 
 class Int8Conv2d(_Int8Weight):
@@ -357,24 +280,16 @@ def why_not(module: torch.nn.Module) -> str | None:
     return None
 
 
-def compress(
-    module: torch.nn.Module,
-    weight=None,
-    bias=None,
-    mode: str = "int8",
-    scratch: ExpansionScratch | None = None,
-):
+def compress(module: torch.nn.Module, weight=None, bias=None, mode: str = "int8"):
     """The replacement of a Linear or Conv2d (see ``why_not``): ``mode`` "int8" (INT8 in VRAM)
     or "stream" (as loaded, in pinned host memory); ``weight`` / ``bias`` stand in for the
-    module's own (e.g. the unpatched originals while a LoRA is applied). ``scratch``: the
-    buffer INT8 layers of one model share for their expanded weights (see
-    ``ExpansionScratch``); only layers of one model, run one after another, may share one."""
+    module's own (e.g. the unpatched originals while a LoRA is applied)."""
     reason = why_not(module)
     if reason is not None:
         raise ValueError(f"cannot compress {type(module).__name__}: {reason}")
     conv = isinstance(module, torch.nn.Conv2d)
     if mode == "int8":
-        return (Int8Conv2d if conv else Int8Linear)(module, weight, bias, scratch)
+        return (Int8Conv2d if conv else Int8Linear)(module, weight, bias)
     if mode == "stream":
         return (StreamedConv2d if conv else StreamedLinear)(module, weight, bias)
     raise ValueError(f"unknown mode {mode!r}")

@@ -85,9 +85,7 @@ def _original(patcher, key: str, current: torch.Tensor | None) -> torch.Tensor |
     return bk.weight if bk is not None else current
 
 
-def _compressed_module(
-    patcher, name: str, module, made: list, mode: str, scratch=None
-) -> torch.nn.Module:
+def _compressed_module(patcher, name: str, module, made: list, mode: str) -> torch.nn.Module:
     w = _original(patcher, f"{name}.weight", module.weight)
     b = _original(patcher, f"{name}.bias", module.bias)
     key = (mode, _weight_key(w))
@@ -99,11 +97,11 @@ def _compressed_module(
         c = wc.compress(module, w, b, mode=mode)
     else:
         try:
-            c = wc.compress(module, _on_compute_device(patcher, w), b, mode=mode, scratch=scratch)
+            c = wc.compress(module, _on_compute_device(patcher, w), b, mode=mode)
         except Exception as e:  # no room on the GPU for one layer: the CPU does it, slower
             if not is_out_of_memory(e):
                 raise
-            c = wc.compress(module, w, b, mode=mode, scratch=scratch)
+            c = wc.compress(module, w, b, mode=mode)
     c = c.to(patcher.offload_device)
     with _lock:
         _COMPRESSED[module] = (key, c)
@@ -184,11 +182,6 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
     made: list = []  # modules compressed by this call: forgotten again if it fails
     layers = _layers(patcher, root, prefix)
     small = wc.small_layers_kept({n: m.weight.numel() for n, m in layers}) if mode == "int8" else ()
-    # the layers of this model that expand share one buffer for their expanded weights
-    scratch = None
-    if mode == "int8":
-        sizes = [m.weight.numel() for n, m in layers if n not in small]
-        scratch = wc.ExpansionScratch(max(sizes)) if sizes else None
     try:
         for name, module in layers:
             full = prefix + name
@@ -200,7 +193,7 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
             if f"{full}.weight" in patched or f"{full}.bias" in patched:
                 rep.skipped_patched += 1
                 continue
-            c = _compressed_module(patcher, full, module, made, mode, scratch)
+            c = _compressed_module(patcher, full, module, made, mode)
             clone.add_object_patch(full, c)
             rep.layers += 1
             rep.bytes_before += c.original_bytes()

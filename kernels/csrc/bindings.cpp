@@ -13,8 +13,7 @@ void control_merge_add_(const std::vector<torch::Tensor>& hidden,
 std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x);
 void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& scale,
                   const torch::Tensor& strength);
-void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale,
-                   double l2_keep);
+void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale);
 torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weight,
                               const torch::Tensor& bias, int64_t groups, double eps);
 torch::Tensor group_norm_nhwc(const torch::Tensor& x, const torch::Tensor& weight,
@@ -27,8 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("control_merge_add_", &cna::control_merge_add_, "hidden[k] += sum_i s[i] * r[i][k]");
   m.def("quantize_int8", &cna::quantize_int8, "per-(sample, channel) symmetric INT8");
   m.def("dequant_add_", &cna::dequant_add_, "h += strength * q * scale[b, c]");
-  m.def("dequant_rows_", &cna::dequant_rows_, "out[r, k] = q[r, k] * scale[r]", py::arg("out"),
-        py::arg("q"), py::arg("scale"), py::arg("l2_keep") = 0.0);
+  m.def("dequant_rows_", &cna::dequant_rows_, "out[r, k] = q[r, k] * scale[r]");
   m.def("group_norm_silu", &cna::group_norm_silu, "SiLU(GroupNorm(x))");
   m.def("group_norm_nhwc", &cna::group_norm_nhwc, "GroupNorm(x) [+ SiLU], x channels-last");
 }

@@ -45,7 +45,6 @@ class StrictKernels:
 
     def __init__(self):
         self.launches: list[tuple[str, int, int]] = []
-        self.l2_keeps: list[float] = []
 
     @staticmethod
     def _limits():
@@ -98,14 +97,12 @@ class StrictKernels:
         self.launches.append(("dequant_add", 1, 1))
         eager.dequant_add_(h, q, scale, strength)
 
-    def dequant_rows_(self, out, q, scale, l2_keep):
+    def dequant_rows_(self, out, q, scale):
         assert q.dtype == torch.int8 and q.is_contiguous() and q.dim() >= 1
-        assert isinstance(l2_keep, float) and 0.0 <= l2_keep <= 1.0
         assert scale.dtype == torch.float32 and scale.is_contiguous()
         assert scale.numel() == q.shape[0]
         assert out.is_contiguous() and out.shape == q.shape and out.dtype in FLOATS
         self.launches.append(("dequant_rows", 1, 1))
-        self.l2_keeps.append(l2_keep)
         eager.dequant_rows(q, scale, out.dtype, out)
 
     def group_norm_silu(self, x, w, b, groups, eps):

@@ -194,40 +194,6 @@ def test_dequant_rows_matches_reference(device, dtype, shape):
         _assert_close(kernels.dequant_rows(q, scale.flatten(), dtype), ref, dtype, "flat scale")
 
 
-@pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("l2_keep", [0.0, 0.25, 1.0])
-def test_dequant_rows_into_a_buffer_view_with_an_l2_hint_writes_the_same_values(
-    device, dtype, l2_keep
-):
-    """The Memory Pool expands into a view of one reused buffer, with an L2 hint: the values
-    must be those of a fresh output, and the buffer past the view untouched."""
-    with _setup(device):
-        gen = torch.Generator(device=device).manual_seed(17)
-        q = torch.randint(-127, 128, (640, 320, 3, 3), generator=gen, device=device).to(torch.int8)
-        scale = torch.rand((640, 1, 1, 1), generator=gen, device=device)
-        want = kernels.dequant_rows(q, scale, dtype)
-        buf = torch.full((q.numel() + 64,), -7.0, dtype=dtype, device=device)
-        view = buf[: q.numel()].view(q.shape)
-        got = kernels.dequant_rows(q, scale, dtype, out=view, l2_keep=l2_keep)
-        assert got.data_ptr() == buf.data_ptr()
-        assert torch.equal(got, want)
-        assert torch.all(buf[q.numel() :] == -7.0)
-
-
-def test_dequant_rows_rejects_a_bad_out_or_hint():
-    q = torch.zeros(4, 8, dtype=torch.int8)
-    s = torch.ones(4)
-    with pytest.raises(ValueError, match="out must be contiguous"):
-        kernels.dequant_rows(q, s, torch.float32, out=torch.empty(8, 4))
-    with pytest.raises(ValueError, match="out must be contiguous"):
-        kernels.dequant_rows(q, s, torch.float32, out=torch.empty(4, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match="out must be contiguous"):
-        kernels.dequant_rows(q, s, torch.float32, out=torch.empty(8, 4).t())
-    with pytest.raises(ValueError, match="l2_keep"):
-        kernels.dequant_rows(q, s, torch.float32, l2_keep=1.5)
-
-
 def test_dequant_rows_rejects_a_scale_per_element():
     q = torch.zeros(4, 8, dtype=torch.int8)
     with pytest.raises(ValueError, match="one value per row"):

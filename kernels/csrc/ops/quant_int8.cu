@@ -215,56 +215,21 @@ void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::T
 // and the grid covers the weight in one pass. The previous version (one vector per step of a
 // grid-stride loop over at most 8 blocks per SM, a 64-bit division per vector) ran at 61% of
 // the copy rate on the H200: one load in flight per thread and an uneven last round.
-// KEEP (l2_keep > 0, sm_80+): the int8 weight is read as streaming data (evict first) and a
-// fraction l2_keep of the written lines is marked evict-last in L2, so the layer that reads the
-// expanded weight right after finds it in L2 instead of in DRAM, and the next expansion into
-// the same buffer overwrites lines still in L2 (no write-back of the previous layer's weight).
-template <bool KEEP>
-__device__ __forceinline__ uint64_t l2_keep_policy(float keep) {
-  uint64_t policy = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (KEEP)
-    asm volatile("createpolicy.fractional.L2::evict_last.L2::evict_unchanged.b64 %0, %1;"
-                 : "=l"(policy)
-                 : "f"(keep));
-#endif
-  return policy;
-}
-
-template <bool KEEP>
-__device__ __forceinline__ void store16(void* p, const uint4& v, uint64_t policy) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (KEEP) {
-    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p),
-                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "l"(policy)
-                 : "memory");
-    return;
-  }
-#endif
-  *reinterpret_cast<uint4*>(p) = v;
-}
-
-template <typename T, int U, bool KEEP>
+template <typename T, int U>
 __global__ void dequant_rows_vec_kernel(T* __restrict__ out, const int8_t* __restrict__ q,
                                         const float* __restrict__ scale, uint32_t nv,
-                                        uint32_t kv, float keep) {
+                                        uint32_t kv) {
   // nv: 16-element vectors in the weight (< 2^31, checked); kv: vectors per row
   constexpr int V = 16;
   constexpr int W = 16 / sizeof(T);  // elements per 16-byte store
   const uint32_t base = blockIdx.x * blockDim.x * U + threadIdx.x;
-  const uint64_t policy = l2_keep_policy<KEEP>(keep);
   I8Vec<V> a[U];
   float s[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const uint32_t j = base + u * blockDim.x;
     if (j < nv) {
-      if (KEEP) {
-        const int4 raw = __ldcs(reinterpret_cast<const int4*>(q) + j);
-        a[u] = *reinterpret_cast<const I8Vec<V>*>(&raw);
-      } else {
-        a[u] = reinterpret_cast<const I8Vec<V>*>(q)[j];
-      }
+      a[u] = reinterpret_cast<const I8Vec<V>*>(q)[j];
       s[u] = __ldg(scale + j / kv);
     }
   }
@@ -279,7 +244,7 @@ __global__ void dequant_rows_vec_kernel(T* __restrict__ out, const int8_t* __res
 #pragma unroll
         for (int i = 0; i < W; ++i)
           o.v[i] = from_float<T>(static_cast<float>(a[u].v[c * W + i]) * s[u]);
-        store16<KEEP>(ov + c, *reinterpret_cast<const uint4*>(&o), policy);
+        ov[c] = o;
       }
     }
   }
@@ -295,8 +260,7 @@ __global__ void dequant_rows_kernel(T* __restrict__ out, const int8_t* __restric
     out[e] = from_float<T>(static_cast<float>(q[e]) * scale[e / k]);
 }
 
-void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale,
-                   double l2_keep) {
+void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(q.is_cuda() && scale.is_cuda() && q.device() == scale.device(),
               "dequant_rows_: q and scale must be on one CUDA device");
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() >= 1,
@@ -317,8 +281,6 @@ void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sc = scale.data_ptr<float>();
   const bool vec_ok = k % 16 == 0 && n / 16 < (int64_t{1} << 31) && aligned_to(qp, 16);
-  TORCH_CHECK(l2_keep >= 0.0 && l2_keep <= 1.0, "dequant_rows_: l2_keep must be in [0, 1]");
-  const float keep = static_cast<float>(l2_keep);
 #define CNA_DR_LAUNCH(T)                                                                        \
   do {                                                                                          \
     T* op = reinterpret_cast<T*>(out.data_ptr());                                               \
@@ -326,13 +288,8 @@ void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch
       constexpr int U = 2;                                                                      \
       const uint32_t nv = static_cast<uint32_t>(n / 16);                                        \
       const uint32_t blocks = (nv + threads * U - 1) / (threads * U);                           \
-      const uint32_t kv = static_cast<uint32_t>(k / 16);                                        \
-      if (keep > 0.f)                                                                           \
-        dequant_rows_vec_kernel<T, U, true>                                                     \
-            <<<blocks, threads, 0, stream>>>(op, qp, sc, nv, kv, keep);                         \
-      else                                                                                      \
-        dequant_rows_vec_kernel<T, U, false>                                                    \
-            <<<blocks, threads, 0, stream>>>(op, qp, sc, nv, kv, 0.f);                          \
+      dequant_rows_vec_kernel<T, U>                                                             \
+          <<<blocks, threads, 0, stream>>>(op, qp, sc, nv, static_cast<uint32_t>(k / 16));      \
     } else {                                                                                    \
       const int64_t blocks = std::max<int64_t>(                                                 \
           1, std::min<int64_t>((n + threads - 1) / threads, static_cast<int64_t>(sms) * 8));    \
