@@ -97,13 +97,19 @@ def test_example_runs_on_tiny_models(host, tiny_models, path, monkeypatch):
     if "stock_vs_accelerated" in path.name:  # both branches: the same picture
         stock_img, fast_img = (r.output_of(d)[0] for d in ids["decodes"])
         assert torch.equal(stock_img, fast_img)
-    # every node of ours reported its run for the front end's badge, with figures in it
+    # every node of ours reported its run for the front end's badge, with figures in it; under
+    # DynamicVRAM (ComfyUI 0.33 on a GPU) the graph nodes pass the model on, and their badge
+    # says why and how to get the graphs instead
     ours = {nid: n["class_type"] for nid, n in api.items() if n["class_type"].startswith("CNA_")}
     assert ours
     for nid, ct in ours.items():
         got = status.LAST.get(str(nid))
         assert got is not None, f"{ct} (node {nid}) sent no badge"
-        assert got["lines"] and any(ch.isdigit() for ch in " ".join(got["lines"])), got
+        text = " ".join(got["lines"])
+        if host.dynamic_vram and got.get("kind") == "cuda_graph":
+            assert "DynamicVRAM" in text and "--disable-dynamic-vram" in text, got
+            continue
+        assert got["lines"] and any(ch.isdigit() for ch in text), got
 
 
 def test_a_workflow_saved_before_a_widget_existed_gets_its_default(host):
