@@ -200,6 +200,9 @@ def test_dynamic_vram_is_detected_and_the_pool_leaves_working_memory_to_it(
     assert seen == {"edited": False} and len(ex.calls) == 2
     lines = [r for r in caplog.records if "DynamicVRAM is on" in r.getMessage()]
     assert len(lines) == 1  # once per process
+    # it sets the expectation (memory saved, steps slower) and names the way to the graphs
+    msg = lines[0].getMessage()
+    assert "slower" in msg and "--disable-dynamic-vram" in msg
 
 
 def test_comfyuis_own_cuda_graphs_never_hold_our_models(host, tiny_models):
