@@ -448,6 +448,10 @@ def run_workload(
             res = badges.run(r, p, ids, profile=prof)
         if badges.data(res, "cuda_graph"):  # the run's own figures, from the nodes' badges
             res.extra["graph_steps"] = badges.graph_counts(res)
+        elif _graph_node_passed_model_on(r, p, ids):
+            # the node did not run (ComfyUI reused its output from an earlier prompt with the
+            # same inputs), and that output is its input model: handed on unchanged
+            res.extra["graph_node_reused_pass_through"] = True
         if badges.data(res, "feature_cache"):
             res.extra["cache_calls"] = badges.summed(
                 res, "feature_cache", ("computed", "reused"), sub="calls"
@@ -635,6 +639,15 @@ def run_workload(
             if launch:  # host time blocked in the graph launch per step (waiting for the GPU)
                 row.launch_ms_step = statistics.median(launch)
                 row.extra["plans_built"] = [d.get("plans_built") for d in graph]
+        if (
+            uses_graphs(v)
+            and not steps_g
+            and any(x.extra.get("graph_node_reused_pass_through") for x in runs)
+        ):
+            row.extra["passed_through"] = (
+                "the CUDA Graph node's output was reused from an earlier variant's prompt: the "
+                "model handed on unchanged"
+            )
         if uses_graphs(v) and steps_g and not any(g["replays"] for g in steps_g):
             graph = [d for x in runs for d in badges.data(x, "cuda_graph")]
             passed = sorted({d["passed_through"] for d in graph if "passed_through" in d})
@@ -797,6 +810,26 @@ def unknown_inputs(prompt: dict) -> list[str]:
             if name not in names
         ]
     return out
+
+
+def _graph_node_passed_model_on(runner, prompt: dict, ids: dict) -> bool:
+    """Whether the prompt's CUDA Graph (model) node output is the very model it was given, as
+    when it hands a model on unchanged (DynamicVRAM). Read from ComfyUI's cache of outputs, so it
+    also answers for a node whose output was reused instead of run."""
+    from .runner import WorkflowFailed
+
+    nid = ids.get("CNA_CUDAGraph")
+    if nid is None:
+        return False
+    src = prompt[nid]["inputs"].get("model")
+    if not (isinstance(src, list) and len(src) == 2):
+        return False
+    try:
+        out = runner.output_of(nid)[0]
+        given = runner.output_of(str(src[0]))[int(src[1])]
+    except (WorkflowFailed, IndexError):
+        return False
+    return out is given
 
 
 def uses_graphs(variant: str) -> bool:

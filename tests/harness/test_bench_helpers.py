@@ -204,3 +204,32 @@ def test_the_benchmark_shows_the_packs_info_lines(monkeypatch):
     assert pack_logger.level == logging.INFO and len(pack_logger.handlers) == 1
     quick.show_pack_log()  # idempotent
     assert len(pack_logger.handlers) == 1
+
+
+class _Outputs:
+    """A runner's cached outputs: node id -> list of output slots."""
+
+    def __init__(self, outputs: dict):
+        self.outputs = outputs
+
+    def output_of(self, nid):
+        from comfyui_controlnet_accelerator.harness.runner import WorkflowFailed
+
+        if nid not in self.outputs:
+            raise WorkflowFailed(f"node {nid} produced no output")
+        return self.outputs[nid]
+
+
+def test_a_reused_graph_node_is_labelled_passed_through_only_if_it_handed_its_input_on():
+    """Under DynamicVRAM the CUDA Graph node hands the model on unchanged; when ComfyUI reuses
+    its output for a later variant, no badge comes, and the benchmark reads the reuse from the
+    cached outputs instead: the node's output is its input model."""
+    from comfyui_controlnet_accelerator.harness.quick import _graph_node_passed_model_on
+
+    model, wrapped = object(), object()
+    prompt = {"4": {"inputs": {}}, "9": {"inputs": {"model": ["4", 0]}}}
+    ids = {"CNA_CUDAGraph": "9"}
+    assert _graph_node_passed_model_on(_Outputs({"4": [model], "9": [model]}), prompt, ids)
+    assert not _graph_node_passed_model_on(_Outputs({"4": [model], "9": [wrapped]}), prompt, ids)
+    assert not _graph_node_passed_model_on(_Outputs({"4": [model]}), prompt, ids)  # never ran
+    assert not _graph_node_passed_model_on(_Outputs({"9": [model]}), prompt, {})  # no such node
