@@ -3,8 +3,8 @@
 plain-PyTorch implementation of every op as the CPU path and the fallback.
 
 Public ops (shapes in their docstrings): ``control_merge``, ``control_merge_add_``,
-``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``group_norm_silu``, ``group_norm_nhwc``
-(channels-last, compiled mode's layout), ``int8_linear``
+``quantize_int8``, ``dequant_add_``, ``dequant_rows``, ``dequant_rows_multi``,
+``group_norm_silu``, ``group_norm_nhwc`` (channels-last, compiled mode's layout), ``int8_linear``
 (a Triton kernel, served with the CUDA backend). ``list_backends()``
 says which backend is usable and why not; ``use_backend("eager")`` forces the fallback.
 Environment: ``CNA_KERNELS=auto|cuda|eager`` (auto: the CUDA kernels once validated on a GPU,
@@ -20,9 +20,11 @@ from .ops import (
     control_merge_add_,
     dequant_add_,
     dequant_rows,
+    dequant_rows_multi,
     group_norm_nhwc,
     group_norm_silu,
     int8_linear,
+    int8_linear_expands,
     quantize_int8,
 )
 from .registry import NoCapableBackend, list_backends, mark_unavailable, use_backend
@@ -33,9 +35,11 @@ __all__ = [
     "control_merge_add_",
     "dequant_add_",
     "dequant_rows",
+    "dequant_rows_multi",
     "group_norm_nhwc",
     "group_norm_silu",
     "int8_linear",
+    "int8_linear_expands",
     "list_backends",
     "mark_unavailable",
     "quantize_int8",

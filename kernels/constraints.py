@@ -64,6 +64,10 @@ CUDA_LIMITS: dict[str, dict] = {
     "dequant_add": {"min_dim": 2},
     # quant_int8.cu: q contiguous int8, scale float32 with one value per row, out of q's shape.
     "dequant_rows": {"min_dim": 1},
+    # quant_int8.cu: several weights in one launch, each on the vector path (rows a multiple of
+    # 16 elements, 16-byte aligned, under 2^35 elements), all on out's device; any number of
+    # weights (the launches take 16 at a time).
+    "dequant_rows_multi": {"vec": 16, "max_vectors": 2**31},
     # group_norm_silu.cu: grid x = B * groups, C divisible by groups, weight and bias (C,) in
     # x's dtype; the statistics pass splits a group into at most 64 chunks (kMaxChunks).
     "group_norm_silu": {"min_dim": 2, "max_groups_total": _GRID_X, "max_chunks": 64},
@@ -107,7 +111,8 @@ def cuda_launch_problem(op: str, **a) -> str | None:
     ``control_merge``: residuals (list of nets of slot tensors), outs (hidden tensors for the
     in-place form, else None), strengths; the nets and slots counts here are those of ONE launch.
     ``quantize_int8``: x. ``dequant_add``: hidden, q, scale, strength.
-    ``dequant_rows``: q, scale, out. ``group_norm_silu``, ``group_norm_nhwc``: x, weight, bias,
+    ``dequant_rows``: q, scale, out. ``dequant_rows_multi``: qs, scales, out (the flat output).
+    ``group_norm_silu``, ``group_norm_nhwc``: x, weight, bias,
     groups.
     ``int8_linear``: x, q, scale, bias.
     """
@@ -158,6 +163,24 @@ def cuda_launch_problem(op: str, **a) -> str | None:
             return "q, scale and out on different devices"
         if out.dtype not in _FLOAT:
             return f"output dtype {out.dtype}"
+        return None
+    if op == "dequant_rows_multi":
+        out, v = a["out"], lim["vec"]
+        if out.dtype not in _FLOAT:
+            return f"output dtype {out.dtype}"
+        if out.data_ptr() % 16:
+            return "the output is not 16-byte aligned"
+        for q, scale in zip(a["qs"], a["scales"], strict=True):
+            if q.device != out.device or scale.device != out.device:
+                return "weights, scales and output on different devices"
+            if q.dim() < 1 or not q.is_contiguous() or q.numel() == 0:
+                return "a weight is empty, a scalar or not contiguous"
+            if (q.numel() // q.shape[0]) % v or q.data_ptr() % 16:
+                return f"a weight's rows are not a multiple of {v} elements, or it is unaligned"
+            if q.numel() // v >= lim["max_vectors"]:
+                return "a weight over 2^35 elements"
+            if scale.dtype != torch.float32 or not scale.is_contiguous():
+                return f"a scale is {scale.dtype} or not contiguous (the kernel reads float32)"
         return None
     if op == "group_norm_silu":
         x, w, b, groups = a["x"], a["weight"], a["bias"], a["groups"]

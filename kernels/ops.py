@@ -42,7 +42,6 @@ def _registered(name: str) -> bool:
 
 
 def _register() -> None:
-
     @torch.library.custom_op("cna::control_merge", mutates_args=())
     def _control_merge_op(
         residuals: list[torch.Tensor], strengths: torch.Tensor, num_nets: int
@@ -92,6 +91,16 @@ def _register() -> None:
 
     @_dequant_rows_op.register_fake
     def _(out, q, scale):
+        return None
+
+    @torch.library.custom_op("cna::dequant_rows_multi_", mutates_args=("out",))
+    def _dequant_rows_multi_op(
+        out: torch.Tensor, qs: list[torch.Tensor], scales: list[torch.Tensor]
+    ) -> None:
+        _jit.module().dequant_rows_multi_(out, qs, scales)
+
+    @_dequant_rows_multi_op.register_fake
+    def _(out, qs, scales):
         return None
 
     @torch.library.custom_op("cna::group_norm_silu", mutates_args=())
@@ -316,6 +325,47 @@ def dequant_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return eager.dequant_rows(q, scale, dtype, out)
 
 
+def dequant_rows_multi(
+    qs: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """``[dequant_rows(q, s, dtype) for q, s in zip(qs, scales)]``, the results laid out one
+    after the other in one allocation (each a contiguous view of it): the Memory Pool expands a
+    block's INT8 layers at once. On CUDA one launch for them all where every weight fits the
+    kernel's vector path (``constraints``); otherwise one expansion per weight, into its view."""
+    if len(qs) != len(scales):
+        raise ValueError("dequant_rows_multi: one scale per weight")
+    if not qs:
+        return []
+    dev = qs[0].device
+    for q, s in zip(qs, scales, strict=True):
+        if q.dtype != torch.int8 or q.dim() < 1 or s.numel() != q.shape[0]:
+            raise ValueError(
+                "dequant_rows_multi: each q must be int8 and its scale hold one value per row"
+            )
+        if q.device != dev:
+            raise ValueError("dequant_rows_multi: every weight must be on one device")
+    out = torch.empty(sum(q.numel() for q in qs), dtype=dtype, device=dev)
+    views, off = [], 0
+    for q in qs:
+        views.append(out[off : off + q.numel()].view(q.shape))
+        off += q.numel()
+    backend = registry.select("dequant_rows", [out, *qs, *scales])
+    if backend == "cuda":
+        flat = [s.reshape(-1).contiguous() for s in scales]
+        if _cuda_ok("dequant_rows_multi", qs=qs, scales=flat, out=out):
+            _cna().dequant_rows_multi_(out, list(qs), flat)
+            return views
+        for v, q, s in zip(views, qs, flat, strict=True):
+            if _cuda_ok("dequant_rows", q=q, scale=s, out=v):
+                _cna().dequant_rows_(v, q, s)
+            else:
+                eager.dequant_rows(q, s, dtype, v)
+        return views
+    for v, q, s in zip(views, qs, scales, strict=True):
+        eager.dequant_rows(q, s, dtype, v)
+    return views
+
+
 def group_norm_silu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, groups: int = 32, eps: float = 1e-5
 ) -> torch.Tensor:
@@ -353,6 +403,15 @@ def group_norm_nhwc(
     return eager.group_norm_act(x, weight, bias, groups, eps, silu).contiguous(
         memory_format=torch.channels_last
     )
+
+
+def int8_linear_expands(device=None) -> bool:
+    """Whether ``int8_linear`` on ``device`` expands the weight first (the default, and every
+    device but CUDA) rather than multiplying with the INT8 weight: the Triton kernel is chosen
+    only under ``CNA_KERNELS=cuda``."""
+    if device is None or torch.device(device).type != "cuda":
+        return True
+    return registry.mode() != "cuda"
 
 
 def int8_linear(

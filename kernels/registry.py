@@ -43,8 +43,8 @@ _forced = threading.local()
 # hash is updated (CNA_KERNELS=cuda opts in meanwhile).
 # Passed on an NVIDIA H200 (sm_90, torch 2.11 + CUDA 13): every kernel test of the extension
 # (``pytest -m cuda tests/kernels``, the Triton int8_linear's file aside), group_norm_nhwc's
-# included.
-VALIDATED_SOURCES = "0330d761dcfc8adf"
+# and dequant_rows_multi's included.
+VALIDATED_SOURCES = "720f8f56e55ab0d7"
 # Ops added after that validation: CUDA only when asked for (CNA_KERNELS=cuda) until theirs pass.
 NOT_YET_VALIDATED: set[str] = set()
 # Ops served by a Triton kernel outside the extension, each validated against the hash of its

@@ -15,9 +15,12 @@ one elementwise kernel per layer call (``kernels.dequant_rows``: the int8 weight
 row's scale, written straight into a tensor of the input's dtype): it reads 1 byte and writes 2
 per weight, in place on the layer's stream. PyTorch's own mixed-dtype ``mul`` did the same at
 about a fifth of the bandwidth on the H200 (+7.4 ms per SD1.5 step with two ControlNets), hence
-the kernel. The dequantized weight is a temporary: the caching allocator (or a CUDA graph's
-pool) reuses its memory for the next layer, so at most a layer or two of fp16 weights exist at
-any time.
+the kernel. The INT8 layers of one block (a transformer block, a ResBlock) are expanded
+together, by one launch when the first of them runs (``ExpansionGroup``,
+``kernels.dequant_rows_multi``): each launch has a fixed cost of about a microsecond, and a step
+of SDXL with two ControlNets had ~1,400 of them. The expanded weights are temporaries: the
+caching allocator (or a CUDA graph's pool) reuses their memory for the next block, so at most a
+block's fp16 weights (``GROUP_MAX_NUMEL``) exist at any time per stream.
 
 Error: symmetric rounding to 255 levels per output channel, |w − ŵ| ≤ scale/2 with scale =
 max|w_row| / 127 (tested). When a layer's int8 weight lives on another device than its input
@@ -162,15 +165,30 @@ class _Int8Weight(_Replaced):
         self.scale = torch.nn.Parameter(scale, requires_grad=False)
         self.weight_dtype = weight.dtype  # what the original held (for reports)
 
+    expansion_group: ExpansionGroup | None = None  # set by ``form_expansion_groups``
+
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
-        # Expanded in place, on the layer's stream. Expanding one layer ahead on a side stream
+        # Expanded in place, on the layer's stream: with the rest of its block when it has an
+        # expansion group, else alone. Expanding one layer ahead on a side stream
         # (memory/prefetch.py) was measured slower under CUDA graphs on the H200: W2 22.16 ->
         # 25.19 ms/step, the ~850 cross-stream dependencies of a step cost more
         # than the copies they hid.
+        group = self.expansion_group
+        if group is not None:
+            w = group.take(self, x)
+            if w is not None:
+                return w
         return dequantize(self.q, self.scale, x.dtype, x.device)
 
     def compressed_bytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4 + self._bias_bytes()
+
+    def working_bytes(self) -> int:
+        """What expanding this layer's weight for a call holds on its device (its group's
+        expansion when it has one), at the original dtype's size."""
+        size = torch.empty((), dtype=self.weight_dtype).element_size()
+        group = self.expansion_group
+        return group.expanded_bytes(size) if group is not None else self.q.numel() * size
 
     def original_bytes(self) -> int:
         n = self.q.numel() * torch.empty((), dtype=self.weight_dtype).element_size()
@@ -181,6 +199,8 @@ class Int8Linear(_Int8Weight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q.device != x.device:  # low-VRAM: the weight is copied per call, then expanded
             return super().forward(x)
+        if self.expansion_group is not None:  # expanded with its block (never with int8_linear)
+            return F.linear(x, self._weight_for(x), self._bias_for(x))
         # The expansion then F.linear, as for convolutions; with CNA_KERNELS=cuda one matrix
         # multiply reading the INT8 weight (kernels.int8_linear says which).
         return kernels.int8_linear(x, self.q, self.scale, self._bias_for(x))
@@ -188,6 +208,127 @@ class Int8Linear(_Int8Weight):
 
 class Int8Conv2d(_Int8Weight):
     pass
+
+
+# An expansion group holds at most this many weights (96 MiB in fp16): an SDXL transformer
+# block at 1280 channels, its ten INT8 layers, is 34.7 M.
+GROUP_MAX_NUMEL = 48 << 20
+
+
+class ExpansionGroup:
+    """The INT8 layers of one block, expanded by one kernel launch when the first of them runs.
+
+    Each expansion launch costs a fixed ~1 µs on top of its traffic, and a step of SDXL with
+    two ControlNets expanded ~1,400 weights one at a time. The group expands all its layers'
+    weights into one allocation (``kernels.dequant_rows_multi``) when one of them asks for its
+    weight and finds none ready, and hands each layer its view once; the allocation is freed
+    when the last view is used. A layer asking again before the others (or one that did not
+    run) makes the group expand again: every view holds the expansion of the layer's own INT8
+    weight, so whichever a layer gets, its values are the same. Views are handed out only on
+    the device, dtype and stream they were made on (a CUDA graph's capture stream is a stream
+    of its own), so none crosses into a graph or out of one.
+
+    The memory cost: one block's fp16 weights at once (at most ``GROUP_MAX_NUMEL``), where
+    expanding one at a time held the largest layer's."""
+
+    def __init__(self, layers: list[_Int8Weight]):
+        self._layers = list(layers)
+        self._ready: dict[int, torch.Tensor] = {}
+        self._key: tuple | None = None
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def expanded_bytes(self, element_size: int = 2) -> int:
+        """The memory one expansion of the group takes (fp16 by default)."""
+        return sum(m.q.numel() for m in self._layers) * element_size
+
+    def release(self) -> None:
+        """Drop views made but not used (a layer that did not run): the end of a run."""
+        self._ready = {}
+        self._key = None
+
+    def take(self, layer: _Int8Weight, x: torch.Tensor) -> torch.Tensor | None:
+        """``layer``'s weight expanded to ``x``'s dtype, or None where the group cannot make it
+        (a layer's weight not on ``x``'s device: the caller expands it alone)."""
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
+        key = (x.device, x.dtype, stream)
+        if self._key == key:
+            w = self._ready.pop(id(layer), None)
+            if w is not None:
+                return w
+        self._ready = {}
+        self._key = None
+        if any(m.q.device != x.device for m in self._layers):
+            return None
+        views = kernels.dequant_rows_multi(
+            [m.q for m in self._layers], [m.scale for m in self._layers], x.dtype
+        )
+        ready = {id(m): v for m, v in zip(self._layers, views, strict=True)}
+        w = ready.pop(id(layer), None)
+        if w is None:  # not a member (cannot happen through form_expansion_groups)
+            return None
+        self._ready, self._key = ready, key
+        return w
+
+
+def release_expansions(modules) -> None:
+    """``ExpansionGroup.release`` for the groups of the INT8 layers among ``modules``."""
+    for m in modules:
+        group = getattr(m, "expansion_group", None) if isinstance(m, _Int8Weight) else None
+        if group is not None:
+            group.release()
+
+
+def block_of(name: str) -> str:
+    """The block a layer belongs to, from its module path: the transformer block
+    (``...transformer_blocks.N``), else the UNet block (``input_blocks.I.J``, ``middle_block.J``,
+    ``zero_convs.I``), else the layer's parent."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i - 1] == "transformer_blocks" and parts[i].isdigit():
+            return ".".join(parts[: i + 1])
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            j = i + 1 if i + 1 < len(parts) - 1 and parts[i + 1].isdigit() else i
+            return ".".join(parts[: j + 1])
+    return ".".join(parts[:-1])
+
+
+def form_expansion_groups(layers: list[tuple[str, torch.nn.Module]], device=None) -> int:
+    """Give the INT8 layers among ``layers`` (module path, module; in the model's order) an
+    ``ExpansionGroup`` per block (``block_of``), each at most ``GROUP_MAX_NUMEL`` weights; a
+    layer alone in its block keeps expanding alone. INT8 Linear layers stay out where
+    ``int8_linear`` multiplies with the INT8 weight directly on ``device`` (they expand
+    nothing). ``CNA_POOL_GROUPS=0`` turns grouping off (every layer alone, for measurements).
+    Returns how many groups were formed."""
+    linear = kernels.int8_linear_expands(device)
+    for _, m in layers:
+        if isinstance(m, _Int8Weight):
+            m.expansion_group = None
+    if os.environ.get("CNA_POOL_GROUPS", "").strip() == "0":
+        return 0
+    blocks: dict[str, list[_Int8Weight]] = {}
+    for name, m in layers:
+        if not isinstance(m, _Int8Weight) or (not linear and isinstance(m, Int8Linear)):
+            continue
+        blocks.setdefault(block_of(name), []).append(m)
+    formed = 0
+    for members in blocks.values():
+        chunk: list[_Int8Weight] = []
+        size = 0
+        for m in members + [None]:
+            if m is None or (chunk and size + m.q.numel() > GROUP_MAX_NUMEL):
+                if len(chunk) > 1:
+                    group = ExpansionGroup(chunk)
+                    for c in chunk:
+                        c.expansion_group = group
+                    formed += 1
+                chunk, size = [], 0
+            if m is not None:
+                chunk.append(m)
+                size += m.q.numel()
+    return formed
 
 
 class _StreamedWeight(_Replaced):

@@ -203,6 +203,8 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
             for module in made:
                 _COMPRESSED.pop(module, None)
         raise
+    if rep.layers and mode == "int8":
+        _group_int8_layers(clone)
     if rep.layers:
         compat.size_dynamic_range(patcher)  # before a smaller clone could size it
         clone.size = max(1, patcher.model_size() - rep.bytes_before + rep.bytes_after)
@@ -212,6 +214,15 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
     rep.seconds = time.perf_counter() - t0
     logger.info("Memory Pool: %s", rep.line(what))
     return clone, rep
+
+
+def _group_int8_layers(patcher) -> None:
+    """One expansion launch per block for ``patcher``'s INT8 layers (``wc.ExpansionGroup``):
+    those it samples with, earlier Memory Pool nodes' included."""
+    wc.form_expansion_groups(
+        [(k, v) for k, v in patcher.object_patches.items() if isinstance(v, wc._Int8Weight)],
+        getattr(patcher, "load_device", None),
+    )
 
 
 def _without_lora_patched_layers(patcher):
@@ -226,6 +237,7 @@ def _without_lora_patched_layers(patcher):
         return patcher
     clone = patcher.clone()
     n = _drop_patched_layers(clone)
+    _group_int8_layers(clone)  # the dropped layers out of their blocks' groups
     logger.info("Memory Pool: %d layers patched by a LoRA after this node stay fp16", n)
     return clone
 
@@ -272,18 +284,20 @@ class MemoryPoolPatch:
         return [*self.earlier, (self.node_id, self.reports)]
 
     def reserve_bytes(self, patchers=()) -> int:
-        """Working memory the pool needs beyond ComfyUI's own estimate of the step: the weight
-        of the INT8 layer running, expanded to fp16, and for streamed layers the one running
-        plus the one being copied in ahead (the largest of each kind among ``patchers``' replaced
-        layers); and the idle part of the CUDA graph pool, which ComfyUI's free-memory figure
-        counts as free under PyTorch's native allocator though only graph replays can use it
-        (measured at the end of the previous run: the pool is sized by the first)."""
+        """Working memory the pool needs beyond ComfyUI's own estimate of the step: the weights
+        of the INT8 block running, expanded to fp16 at once (``wc.ExpansionGroup``), and for
+        streamed layers the one running plus the one being copied in ahead (the largest of each
+        kind among ``patchers``' replaced layers); and the idle part of the CUDA graph pool,
+        which ComfyUI's free-memory figure counts as free under PyTorch's native allocator though
+        only graph replays can use it (measured at the end of the previous run: the pool is
+        sized by the first)."""
         largest = {"int8": 0, "stream": 0}
         for p in patchers:
             for obj in (getattr(p, "object_patches", None) or {}).values():
-                if isinstance(obj, wc._Replaced):
-                    kind = "stream" if isinstance(obj, wc._StreamedWeight) else "int8"
-                    largest[kind] = max(largest[kind], obj.original_bytes())
+                if isinstance(obj, wc._Int8Weight):
+                    largest["int8"] = max(largest["int8"], obj.working_bytes())
+                elif isinstance(obj, wc._Replaced):
+                    largest["stream"] = max(largest["stream"], obj.original_bytes())
         return largest["int8"] + 2 * largest["stream"] + self._graph_idle
 
     def prepare_sampling_wrapper(self, executor, *args, **kwargs):
@@ -389,6 +403,7 @@ class MemoryPoolPatch:
                     prefetch.end_pass()
             return out
         finally:
+            wc.release_expansions((getattr(patcher, "object_patches", None) or {}).values())
             self._finish(counts, ok, cuda, dev)
 
     def _finish(self, counts: dict, ok: bool, cuda: bool, dev) -> None:

@@ -14,6 +14,8 @@ std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x);
 void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& scale,
                   const torch::Tensor& strength);
 void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale);
+void dequant_rows_multi_(const torch::Tensor& out, const std::vector<torch::Tensor>& qs,
+                         const std::vector<torch::Tensor>& scales);
 torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weight,
                               const torch::Tensor& bias, int64_t groups, double eps);
 torch::Tensor group_norm_nhwc(const torch::Tensor& x, const torch::Tensor& weight,
@@ -27,6 +29,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_int8", &cna::quantize_int8, "per-(sample, channel) symmetric INT8");
   m.def("dequant_add_", &cna::dequant_add_, "h += strength * q * scale[b, c]");
   m.def("dequant_rows_", &cna::dequant_rows_, "out[r, k] = q[r, k] * scale[r]");
+  m.def("dequant_rows_multi_", &cna::dequant_rows_multi_,
+        "dequant_rows_ of several weights into one flat out, one launch");
   m.def("group_norm_silu", &cna::group_norm_silu, "SiLU(GroupNorm(x))");
   m.def("group_norm_nhwc", &cna::group_norm_nhwc, "GroupNorm(x) [+ SiLU], x channels-last");
 }

@@ -184,9 +184,9 @@ def test_idle_models_are_unloaded_before_sampling(host, tiny_models):
 
 
 def test_comfyui_is_told_the_pool_s_working_memory_before_loading(host, tiny_models):
-    """The pool's own working memory (the largest layer expanded, two for streamed layers, the
-    CUDA graph pool's idle part) is added to the memory ComfyUI frees before loading the run's
-    models, for that call only."""
+    """The pool's own working memory (the largest INT8 block expanded at once, two layers for
+    streamed layers, the CUDA graph pool's idle part) is added to the memory ComfyUI frees
+    before loading the run's models, for that call only."""
     import comfy.model_management as mm
 
     mp = _mp(host)
@@ -214,7 +214,7 @@ def test_comfyui_is_told_the_pool_s_working_memory_before_loading(host, tiny_mod
     def largest(models, kind):
         return max(
             [
-                o.original_bytes()
+                o.working_bytes() if kind is wc._Int8Weight else o.original_bytes()
                 for m in models
                 for o in getattr(m, "object_patches", {}).values()
                 if isinstance(o, kind)
@@ -230,6 +230,8 @@ def test_comfyui_is_told_the_pool_s_working_memory_before_loading(host, tiny_mod
     assert dynamic == host.dynamic_vram
     graph_idle = 0  # no CUDA graph node in these workflows
     want = largest(models, wc._Int8Weight) + graph_idle
+    # a block's INT8 layers expand at once: more than the largest layer alone
+    assert want > largest(models, wc._Replaced)
     assert want > 0 and need_int8 - need_plain == pytest.approx(0 if dynamic else want, abs=1)
     need_stream, models = asked[-1]
     want = 2 * largest(models, wc._StreamedWeight)

@@ -194,6 +194,96 @@ def test_dequant_rows_matches_reference(device, dtype, shape):
         _assert_close(kernels.dequant_rows(q, scale.flatten(), dtype), ref, dtype, "flat scale")
 
 
+# An SDXL transformer block's ten INT8 weights, a ResBlock's convolutions, and 19 small ones
+# (more than one launch takes); (320, 4, 3, 3) has K = 36, off the vector path.
+MULTI_SHAPES = {
+    "sdxl_block": [(1280, 1280)] * 4
+    + [(1280, 1280), (1280, 2048), (1280, 2048), (1280, 1280)]
+    + [(10240, 1280), (1280, 5120)],
+    "resblock": [(640, 320, 3, 3), (640, 640, 3, 3), (640, 1280), (640, 320, 1, 1)],
+    "many": [(16 * (i % 5 + 1), 32 * (i % 3 + 1)) for i in range(19)],
+    "mixed": [(64, 64), (320, 4, 3, 3), (48, 16)],
+}
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(MULTI_SHAPES))
+def test_dequant_rows_multi_matches_reference(device, dtype, case):
+    with _setup(device):
+        gen = torch.Generator(device=device).manual_seed(17)
+        shapes = MULTI_SHAPES[case]
+        qs = [
+            torch.randint(-127, 128, sh, generator=gen, device=device, dtype=torch.int8)
+            for sh in shapes
+        ]
+        ss = [torch.rand(sh[0], generator=gen, device=device) + 1e-3 for sh in shapes]
+        outs = kernels.dequant_rows_multi(qs, ss, dtype)
+        base = outs[0].data_ptr()
+        off = 0
+        for k, (o, q, sc) in enumerate(zip(outs, qs, ss, strict=True)):
+            assert o.dtype == dtype and o.shape == q.shape and o.device.type == device
+            assert o.data_ptr() == base + off * o.element_size()  # one allocation, in order
+            off += q.numel()
+            ref = q.double() * sc.double().reshape((-1,) + (1,) * (q.dim() - 1))
+            _assert_close(o, ref, dtype, f"weight {k} {tuple(q.shape)}")
+            # bit for bit what expanding the weight alone gives
+            assert torch.equal(o, kernels.dequant_rows(q, sc, dtype)), k
+
+
+@pytest.mark.cuda
+def test_dequant_rows_multi_in_a_cuda_graph_and_after_poisoning():
+    with _setup("cuda"):
+        gen = torch.Generator(device="cuda").manual_seed(19)
+        shapes = MULTI_SHAPES["sdxl_block"] + MULTI_SHAPES["many"]
+        qs = [
+            torch.randint(-127, 128, sh, generator=gen, device="cuda", dtype=torch.int8)
+            for sh in shapes
+        ]
+        ss = [torch.rand(sh[0], generator=gen, device="cuda") for sh in shapes]
+        want = [kernels.dequant_rows(q, sc, torch.float16) for q, sc in zip(qs, ss, strict=True)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            kernels.dequant_rows_multi(qs, ss, torch.float16)  # warm up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = kernels.dequant_rows_multi(qs, ss, torch.float16)
+        for o in outs:
+            o.fill_(float("nan"))  # poison: the replay must write every element
+        g.replay()
+        torch.cuda.synchronize()
+        for k, (o, w) in enumerate(zip(outs, want, strict=True)):
+            assert torch.equal(o, w), k
+        # new scales are read at the next replay (the graph holds addresses, not values)
+        for sc in ss:
+            sc.mul_(2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[3], kernels.dequant_rows(qs[3], ss[3], torch.float16))
+
+
+@pytest.mark.cuda
+def test_dequant_rows_multi_entry_point_refuses_what_it_cannot_do():
+    with _setup("cuda"):
+        ext = _jit.module()
+        q = torch.zeros(4, 16, dtype=torch.int8, device="cuda")
+        sc = torch.ones(4, device="cuda")
+        out = torch.empty(64, dtype=torch.float16, device="cuda")
+        ext.dequant_rows_multi_(out, [q], [sc])
+        with pytest.raises(RuntimeError, match="out must hold every weight"):
+            ext.dequant_rows_multi_(torch.empty(65, dtype=torch.float16, device="cuda"), [q], [sc])
+        with pytest.raises(RuntimeError, match="multiple of 16"):
+            ext.dequant_rows_multi_(
+                torch.empty(36, dtype=torch.float16, device="cuda"),
+                [torch.zeros(4, 9, dtype=torch.int8, device="cuda")],
+                [sc],
+            )
+        with pytest.raises(RuntimeError, match="one per row"):
+            ext.dequant_rows_multi_(out, [q], [torch.ones(3, device="cuda")])
+
+
 def test_dequant_rows_rejects_a_scale_per_element():
     q = torch.zeros(4, 8, dtype=torch.int8)
     with pytest.raises(ValueError, match="one value per row"):

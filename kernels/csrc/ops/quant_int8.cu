@@ -313,4 +313,133 @@ void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+
+// dequant_rows_multi_: several layers' weights expanded by one launch into one flat output,
+// segment i at out[off_i, off_i + numel_i), each as dequant_rows would write it. The Memory
+// Pool expands a block's layers at once: each launch costs about as much as expanding a
+// million weights, and a step launched ~1,400 of them. Vector path only (every segment's K a
+// multiple of 16, its int8 weight and its place in out 16-byte aligned; ops.py checks and
+// expands one layer at a time otherwise). The segments travel by value (kMaxSegs per launch);
+// each block finds its segment among the cumulative block counts.
+constexpr int kMaxSegs = 16;
+
+struct DqSegments {
+  const int8_t* q[kMaxSegs];
+  const float* scale[kMaxSegs];
+  uint32_t nv[kMaxSegs];         // 16-element vectors in the segment
+  uint32_t kv[kMaxSegs];         // vectors per row
+  int64_t out_vec[kMaxSegs];     // where the segment starts in out, in vectors
+  uint32_t first_block[kMaxSegs + 1];
+  int n;
+};
+
+template <typename T, int U>
+__global__ void dequant_rows_multi_kernel(T* __restrict__ out, const DqSegments segs) {
+  constexpr int V = 16;
+  constexpr int W = 16 / sizeof(T);
+  int seg = 0;
+  while (seg + 1 < segs.n && blockIdx.x >= segs.first_block[seg + 1]) ++seg;
+  const int8_t* __restrict__ q = segs.q[seg];
+  const float* __restrict__ scale = segs.scale[seg];
+  const uint32_t nv = segs.nv[seg];
+  const uint32_t kv = segs.kv[seg];
+  T* __restrict__ o = out + segs.out_vec[seg] * V;
+  const uint32_t base = (blockIdx.x - segs.first_block[seg]) * blockDim.x * U + threadIdx.x;
+  I8Vec<V> a[U];
+  float s[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint32_t j = base + u * blockDim.x;
+    if (j < nv) {
+      a[u] = reinterpret_cast<const I8Vec<V>*>(q)[j];
+      s[u] = __ldg(scale + j / kv);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint32_t j = base + u * blockDim.x;
+    if (j < nv) {
+      AlignedVec<T, W>* ov = reinterpret_cast<AlignedVec<T, W>*>(o + static_cast<size_t>(j) * V);
+#pragma unroll
+      for (int c = 0; c < V / W; ++c) {
+        AlignedVec<T, W> v;
+#pragma unroll
+        for (int i = 0; i < W; ++i)
+          v.v[i] = from_float<T>(static_cast<float>(a[u].v[c * W + i]) * s[u]);
+        ov[c] = v;
+      }
+    }
+  }
+}
+
+void dequant_rows_multi_(const torch::Tensor& out, const std::vector<torch::Tensor>& qs,
+                         const std::vector<torch::Tensor>& scales) {
+  TORCH_CHECK(qs.size() == scales.size(), "dequant_rows_multi_: one scale per weight");
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 1,
+              "dequant_rows_multi_: out must be a contiguous 1-D CUDA tensor");
+  const at::ScalarType dtype = out.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "dequant_rows_multi_: dtype must be float16, bfloat16 or float32");
+  TORCH_CHECK(aligned_to(out.data_ptr(), 16), "dequant_rows_multi_: out must be 16-byte aligned");
+  int64_t total = 0;
+  for (size_t i = 0; i < qs.size(); ++i) {
+    const auto& q = qs[i];
+    const auto& sc = scales[i];
+    TORCH_CHECK(q.device() == out.device() && sc.device() == out.device(),
+                "dequant_rows_multi_: every tensor must be on out's device");
+    TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() >= 1,
+                "dequant_rows_multi_: every weight must be contiguous int8");
+    TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.is_contiguous() &&
+                    sc.numel() == q.size(0),
+                "dequant_rows_multi_: every scale must be contiguous float32, one per row");
+    const int64_t n = q.numel();
+    TORCH_CHECK(n > 0 && (n / q.size(0)) % 16 == 0 && n / 16 < (int64_t{1} << 31) &&
+                    aligned_to(q.data_ptr(), 16),
+                "dequant_rows_multi_: every weight needs rows of a multiple of 16, 16-byte "
+                "aligned, fewer than 2^35 elements");
+    total += n;
+  }
+  TORCH_CHECK(total == out.numel(), "dequant_rows_multi_: out must hold every weight, in order");
+  if (qs.empty()) return;
+  const c10::cuda::CUDAGuard guard(out.device());
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  constexpr int threads = 256;
+  constexpr int U = 2;
+  int64_t out_vec = 0;
+  for (size_t start = 0; start < qs.size(); start += kMaxSegs) {
+    DqSegments segs;
+    segs.n = static_cast<int>(std::min<size_t>(kMaxSegs, qs.size() - start));
+    uint64_t blocks = 0;
+    for (int i = 0; i < segs.n; ++i) {
+      const auto& q = qs[start + i];
+      const int64_t n = q.numel();
+      segs.q[i] = q.data_ptr<int8_t>();
+      segs.scale[i] = scales[start + i].data_ptr<float>();
+      segs.nv[i] = static_cast<uint32_t>(n / 16);
+      segs.kv[i] = static_cast<uint32_t>(n / q.size(0) / 16);
+      segs.out_vec[i] = out_vec;
+      segs.first_block[i] = static_cast<uint32_t>(blocks);
+      blocks += (segs.nv[i] + threads * U - 1) / (threads * U);
+      out_vec += n / 16;
+    }
+    TORCH_CHECK(blocks < (uint64_t{1} << 31), "dequant_rows_multi_: too many weights at once");
+    segs.first_block[segs.n] = static_cast<uint32_t>(blocks);
+    switch (dtype) {
+      case at::kHalf:
+        dequant_rows_multi_kernel<__half, U><<<static_cast<uint32_t>(blocks), threads, 0, stream>>>(
+            reinterpret_cast<__half*>(out.data_ptr()), segs);
+        break;
+      case at::kBFloat16:
+        dequant_rows_multi_kernel<__nv_bfloat16, U>
+            <<<static_cast<uint32_t>(blocks), threads, 0, stream>>>(
+                reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), segs);
+        break;
+      default:
+        dequant_rows_multi_kernel<float, U><<<static_cast<uint32_t>(blocks), threads, 0, stream>>>(
+            out.data_ptr<float>(), segs);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 }  // namespace cna
