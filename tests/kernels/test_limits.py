@@ -135,6 +135,15 @@ def _rel(got, ref):
     return (got.double() - ref.double()).norm().item() / den
 
 
+def _within(got, ref, dtype, tol) -> bool:
+    """Relative L2 error at most ``tol``, less strict only where the reference is below the
+    dtype's normal range (a strength of 1e-16 on fp16 residuals gives 0 in fp16, whatever the
+    kernel): the result may then be off by up to the smallest normal number per element."""
+    err = (got.double() - ref.double()).norm().item()
+    floor = torch.finfo(dtype).smallest_normal * got.numel() ** 0.5
+    return err <= tol * ref.double().norm().item() + floor
+
+
 def _groups_of(n, size):
     return -(-n // size)
 
@@ -225,7 +234,7 @@ def _check_merge_case(case, device):
     ref = _ref([[r.cpu() for r in net] for net in res], s.cpu())
     for k, (o, r) in enumerate(zip(out, ref, strict=True)):
         assert o.shape == shapes[k] and o.dtype == dtype and o.device.type == device
-        assert _rel(o.cpu(), r) <= tol, (k, _rel(o.cpu(), r))
+        assert _within(o.cpu(), r, dtype, tol), (k, _rel(o.cpu(), r))
     hidden = [_make(sh, dtype, transposed, gen, device) for sh in shapes]
     before = [h.cpu().double() for h in hidden]
     kernels.control_merge_add_(hidden, res, s)
