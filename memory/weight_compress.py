@@ -19,8 +19,9 @@ the kernel. The INT8 layers of one block (a transformer block, a ResBlock) are e
 together, by one launch when the first of them runs (``ExpansionGroup``,
 ``kernels.dequant_rows_multi``): each launch has a fixed cost of about a microsecond, and a step
 of SDXL with two ControlNets had ~1,400 of them. The expanded weights are temporaries: the
-caching allocator (or a CUDA graph's pool) reuses their memory for the next block, so at most a
-block's fp16 weights (``GROUP_MAX_NUMEL``) exist at any time per stream.
+caching allocator (or a CUDA graph's pool) reuses their memory for the next group; a group
+holds no more weights than the model's largest INT8 layer, so the working memory is what
+expanding that layer alone took.
 
 Error: symmetric rounding to 255 levels per output channel, |w − ŵ| ≤ scale/2 with scale =
 max|w_row| / 127 (tested). When a layer's int8 weight lives on another device than its input
@@ -210,8 +211,8 @@ class Int8Conv2d(_Int8Weight):
     pass
 
 
-# An expansion group holds at most this many weights (96 MiB in fp16): an SDXL transformer
-# block at 1280 channels, its ten INT8 layers, is 34.7 M.
+# An expansion group holds at most as many weights as the model's largest INT8 layer (so the
+# pool's working memory is what expanding that layer alone took) and never more than this.
 GROUP_MAX_NUMEL = 48 << 20
 
 
@@ -228,8 +229,8 @@ class ExpansionGroup:
     the device, dtype and stream they were made on (a CUDA graph's capture stream is a stream
     of its own), so none crosses into a graph or out of one.
 
-    The memory cost: one block's fp16 weights at once (at most ``GROUP_MAX_NUMEL``), where
-    expanding one at a time held the largest layer's."""
+    The memory: a group holds at most as many weights as the model's largest INT8 layer
+    (``form_expansion_groups``), so expanding it takes no more than that layer did alone."""
 
     def __init__(self, layers: list[_Int8Weight]):
         self._layers = list(layers)
@@ -297,8 +298,10 @@ def block_of(name: str) -> str:
 
 def form_expansion_groups(layers: list[tuple[str, torch.nn.Module]], device=None) -> int:
     """Give the INT8 layers among ``layers`` (module path, module; in the model's order) an
-    ``ExpansionGroup`` per block (``block_of``), each at most ``GROUP_MAX_NUMEL`` weights; a
-    layer alone in its block keeps expanding alone. INT8 Linear layers stay out where
+    ``ExpansionGroup`` per run of layers of one block (``block_of``), each run holding at most
+    as many weights as the largest of ``layers`` (and ``GROUP_MAX_NUMEL``): expanding a group
+    then takes no more memory than expanding that layer alone did. A layer left alone keeps
+    expanding alone. INT8 Linear layers stay out where
     ``int8_linear`` multiplies with the INT8 weight directly on ``device`` (they expand
     nothing). ``CNA_POOL_GROUPS=0`` turns grouping off (every layer alone, for measurements).
     Returns how many groups were formed."""
@@ -313,12 +316,16 @@ def form_expansion_groups(layers: list[tuple[str, torch.nn.Module]], device=None
         if not isinstance(m, _Int8Weight) or (not linear and isinstance(m, Int8Linear)):
             continue
         blocks.setdefault(block_of(name), []).append(m)
+    cap = min(
+        GROUP_MAX_NUMEL,
+        max((m.q.numel() for ms in blocks.values() for m in ms), default=0),
+    )
     formed = 0
     for members in blocks.values():
         chunk: list[_Int8Weight] = []
         size = 0
         for m in members + [None]:
-            if m is None or (chunk and size + m.q.numel() > GROUP_MAX_NUMEL):
+            if m is None or (chunk and size + m.q.numel() > cap):
                 if len(chunk) > 1:
                     group = ExpansionGroup(chunk)
                     for c in chunk:

@@ -72,10 +72,13 @@ def test_grouped_block_gives_the_ungrouped_result_bit_for_bit(device, monkeypatc
         for _, m in layers:
             m.expansion_group = None
         alone = block(img, ctx)
+        # the block's largest layer is the convolution (36,864 weights): the four attention
+        # projections (18,432) form a group, ff_in + ff_out (49,152) would exceed it
         assert wc.form_expansion_groups(layers, device) == 1
-        groups = {id(m.expansion_group) for _, m in layers}
-        assert len(groups) == 1 and layers[0][1].expansion_group is not None
-        assert len(layers[0][1].expansion_group) == 7
+        group = layers[1][1].expansion_group
+        assert group is not None and len(group) == 4
+        assert all(m.expansion_group is group for _, m in layers[1:5])
+        assert all(m.expansion_group is None for _, m in layers[:1] + layers[5:])
         grouped = block(img, ctx)
         again = block(img, ctx)  # the next step expands again
         assert torch.equal(grouped, alone), dtype
@@ -98,20 +101,20 @@ def test_a_group_expands_once_per_pass_and_hands_each_layer_its_own_weight(devic
     monkeypatch.setattr(kernels, "dequant_rows_multi", counting)
     img, ctx = _inputs(device, torch.float32)
     block(img, ctx)
-    assert calls == [7]  # one launch for the seven layers
+    assert calls == [4]  # one launch for the four attention projections
     block(img, ctx)
-    assert calls == [7, 7]
-    group = layers[0][1].expansion_group
-    for _, m in layers:  # each view is its layer's own expansion, one launch for them all
+    assert calls == [4, 4]
+    members = [m for _, m in layers[1:5]]
+    group = members[0].expansion_group
+    for m in members:  # each view is its layer's own expansion, one launch for them all
         w = group.take(m, img)
         assert w.shape == m.q.shape
         assert torch.equal(w, wc.dequantize(m.q, m.scale, torch.float32, img.device))
-    assert calls == [7, 7, 7]
+    assert calls == [4, 4, 4]
     # a layer asking again (its view used) makes the group expand again: nothing is reused
-    m0 = layers[0][1]
-    group.take(m0, img)
-    group.take(m0, img)
-    assert calls == [7, 7, 7, 7, 7]
+    group.take(members[0], img)
+    group.take(members[0], img)
+    assert calls == [4, 4, 4, 4, 4]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -120,8 +123,8 @@ def test_views_are_not_handed_across_dtypes_and_release_drops_unused_ones(device
     block = Block().to(device)
     layers = _compressed(block)
     wc.form_expansion_groups(layers, device)
-    group = layers[0][1].expansion_group
-    a, b = layers[0][1], layers[1][1]
+    a, b = layers[1][1], layers[2][1]
+    group = a.expansion_group
     x32 = torch.zeros(1, device=device)
     w = group.take(a, x32)
     assert w.dtype == torch.float32
@@ -130,7 +133,7 @@ def test_views_are_not_handed_across_dtypes_and_release_drops_unused_ones(device
     wb = group.take(b, xb)
     assert wb.dtype == torch.bfloat16
     assert torch.equal(wb, wc.dequantize(b.q, b.scale, torch.bfloat16, x32.device))
-    assert len(group._ready) == 6  # made for the others in bfloat16
+    assert len(group._ready) == 3  # made for the others in bfloat16
     group.release()
     assert group._ready == {}
     wc.release_expansions([m for _, m in layers])  # idempotent, and skips other modules
@@ -141,7 +144,7 @@ def test_a_weight_on_another_device_than_the_input_expands_alone():
     block = Block()
     layers = _compressed(block)
     wc.form_expansion_groups(layers)
-    m = layers[1][1]
+    m = layers[2][1]
     fake = torch.empty(1, device="meta")
     assert m.expansion_group.take(m, fake) is None
 
@@ -179,12 +182,18 @@ def test_blocks_groups_limits_and_switch(monkeypatch):
         ("m.other", torch.nn.Linear(2, 2)),  # not INT8: ignored
     ]
     monkeypatch.delenv("CNA_POOL_GROUPS", raising=False)
+    # a group holds at most the largest layer's weights (c: 8,192): a + b, then c alone
+    assert wc.form_expansion_groups(named) == 1
+    assert a.expansion_group is b.expansion_group is not None
+    assert c.expansion_group is None and d.expansion_group is None
+    assert a.working_bytes() == 64 * 64 * 2 * 4  # fp32 weights, the whole group
+    assert a.working_bytes() <= c.working_bytes() == 128 * 64 * 4  # no more than the largest
+    # a larger largest layer lets the whole block in; the absolute cap still splits it
+    e = layer(256, 128)
+    named.append(("m.out.0", e))
     assert wc.form_expansion_groups(named) == 1
     assert a.expansion_group is b.expansion_group is c.expansion_group
-    assert d.expansion_group is None
-    assert a.working_bytes() == (64 * 64 * 2 + 128 * 64) * 4  # fp32 weights, the whole group
-    assert d.working_bytes() == 64 * 64 * 4
-    # the size cap splits a block in model order; a chunk of one is left alone
+    assert d.expansion_group is None and e.expansion_group is None
     monkeypatch.setattr(wc, "GROUP_MAX_NUMEL", 64 * 64 * 2)
     assert wc.form_expansion_groups(named) == 1
     assert a.expansion_group is b.expansion_group and c.expansion_group is None
@@ -199,8 +208,9 @@ def test_linear_layers_stay_out_when_int8_linear_reads_int8(monkeypatch):
 
     monkeypatch.delenv("CNA_POOL_GROUPS", raising=False)
     lin = [wc.compress(torch.nn.Linear(64, 64), mode="int8") for _ in range(2)]
-    conv = [wc.compress(torch.nn.Conv2d(64, 64, 3), mode="int8") for _ in range(2)]
-    named = [(f"b.1.{i}", m) for i, m in enumerate(lin + conv)]
+    conv = [wc.compress(torch.nn.Conv2d(64, 16, 3), mode="int8") for _ in range(2)]
+    big = wc.compress(torch.nn.Conv2d(64, 64, 3), mode="int8")  # the largest, in another block
+    named = [(f"b.1.{i}", m) for i, m in enumerate(lin + conv)] + [("b.2.0", big)]
     monkeypatch.setattr(registry, "_mode", "cuda")
     assert not kernels.int8_linear_expands("cuda")
     assert kernels.int8_linear_expands("cpu")
