@@ -129,6 +129,7 @@ class CompressReport:
     layers: int = 0
     skipped_patched: int = 0
     kept_small: int = 0  # INT8: small layers left as loaded (wc.small_layers_kept)
+    launches: int = 0  # INT8: expansion launches per model call (one per ExpansionGroup)
     bytes_before: int = 0
     bytes_after: int = 0
     seconds: float = 0.0
@@ -146,6 +147,11 @@ class CompressReport:
             )
             + (f", {self.skipped_patched} LoRA-patched layers kept" if self.skipped_patched else "")
             + (f", {self.kept_small} small layers kept as loaded" if self.kept_small else "")
+            + (
+                f", expanded by {self.launches} launches a call"
+                if 0 < self.launches < self.layers
+                else ""
+            )
             + f" ({self.seconds:.1f} s)"
         )
 
@@ -204,7 +210,7 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
                 _COMPRESSED.pop(module, None)
         raise
     if rep.layers and mode == "int8":
-        _group_int8_layers(clone)
+        rep.launches = _group_int8_layers(clone)
     if rep.layers:
         compat.size_dynamic_range(patcher)  # before a smaller clone could size it
         clone.size = max(1, patcher.model_size() - rep.bytes_before + rep.bytes_after)
@@ -216,13 +222,13 @@ def compress_patcher(patcher, root_attr: str | None, what: str, mode: str = "int
     return clone, rep
 
 
-def _group_int8_layers(patcher) -> None:
+def _group_int8_layers(patcher) -> int:
     """One expansion launch per block for ``patcher``'s INT8 layers (``wc.ExpansionGroup``):
-    those it samples with, earlier Memory Pool nodes' included."""
-    wc.form_expansion_groups(
-        [(k, v) for k, v in patcher.object_patches.items() if isinstance(v, wc._Int8Weight)],
-        getattr(patcher, "load_device", None),
-    )
+    those it samples with, earlier Memory Pool nodes' included. Returns the launches a model
+    call makes for them."""
+    int8 = [(k, v) for k, v in patcher.object_patches.items() if isinstance(v, wc._Int8Weight)]
+    wc.form_expansion_groups(int8, getattr(patcher, "load_device", None))
+    return len({id(v.expansion_group or v) for _, v in int8})
 
 
 def _without_lora_patched_layers(patcher):

@@ -162,6 +162,12 @@ def test_int8_leaves_the_smallest_layers_as_loaded(host, tiny_models, monkeypatc
     assert sum(sizes[k] for k in kept) <= wc.SMALL_SHARE * sum(sizes.values())
     rep = _patch(mp, m).reports[0]
     assert rep.kept_small == len(kept) and "small layers kept as loaded" in rep.line("x")
+    # a block's INT8 layers expand by one launch: the report counts the launches
+    int8 = [v for v in m.object_patches.values() if isinstance(v, wc._Int8Weight)]
+    grouped = [v for v in int8 if v.expansion_group is not None]
+    assert grouped and all(v in v.expansion_group._layers for v in grouped)
+    assert rep.launches == len({id(v.expansion_group or v) for v in int8}) < rep.layers
+    assert f"expanded by {rep.launches} launches a call" in rep.line("x")
     monkeypatch.setenv("CNA_POOL_SMALL_SHARE", "0")
     m0, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
     assert len(m0.object_patches) == len(sizes) and _patch(mp, m0).reports[0].kept_small == 0
@@ -230,8 +236,11 @@ def test_comfyui_is_told_the_pool_s_working_memory_before_loading(host, tiny_mod
     assert dynamic == host.dynamic_vram
     graph_idle = 0  # no CUDA graph node in these workflows
     want = largest(models, wc._Int8Weight) + graph_idle
-    # a block's INT8 layers expand at once: more than the largest layer alone
-    assert want > largest(models, wc._Replaced)
+    # a block's INT8 layers expand at once, in groups no larger than the largest layer alone
+    int8 = [o for m in models for o in m.object_patches.values() if isinstance(o, wc._Int8Weight)]
+    assert any(o.expansion_group is not None for o in int8)
+    alone = max(o.q.numel() * torch.empty((), dtype=o.weight_dtype).element_size() for o in int8)
+    assert want == alone
     assert want > 0 and need_int8 - need_plain == pytest.approx(0 if dynamic else want, abs=1)
     need_stream, models = asked[-1]
     want = 2 * largest(models, wc._StreamedWeight)
