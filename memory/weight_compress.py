@@ -175,7 +175,7 @@ class _Int8Weight(_Replaced):
         # 25.19 ms/step, the ~850 cross-stream dependencies of a step cost more
         # than the copies they hid.
         group = self.expansion_group
-        if group is not None:
+        if group is not None and not torch.compiler.is_compiling():
             w = group.take(self, x)
             if w is not None:
                 return w
@@ -200,7 +200,9 @@ class Int8Linear(_Int8Weight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.q.device != x.device:  # low-VRAM: the weight is copied per call, then expanded
             return super().forward(x)
-        if self.expansion_group is not None:  # expanded with its block (never with int8_linear)
+        if self.expansion_group is not None and not torch.compiler.is_compiling():
+            # expanded with its block (never with int8_linear); compiled code expands each
+            # layer's weight itself, where the compiler sees it
             return F.linear(x, self._weight_for(x), self._bias_for(x))
         # The expansion then F.linear, as for convolutions; with CNA_KERNELS=cuda one matrix
         # multiply reading the INT8 weight (kernels.int8_linear says which).
@@ -227,7 +229,8 @@ class ExpansionGroup:
     run) makes the group expand again: every view holds the expansion of the layer's own INT8
     weight, so whichever a layer gets, its values are the same. Views are handed out only on
     the device, dtype and stream they were made on (a CUDA graph's capture stream is a stream
-    of its own), so none crosses into a graph or out of one.
+    of its own), so none crosses into a graph or out of one. Code being compiled by
+    torch.compile expands each layer alone: the group's state is the host's, not the graph's.
 
     The memory: a group holds at most as many weights as the model's largest INT8 layer
     (``form_expansion_groups``), so expanding it takes no more than that layer did alone."""

@@ -243,3 +243,30 @@ def test_dequant_rows_multi_lays_out_each_weight_as_dequant_rows_makes_it(device
         kernels.dequant_rows_multi(qs[:2], ss[:1], torch.float32)
     with pytest.raises(ValueError):
         kernels.dequant_rows_multi([qs[0].float()], [ss[0]], torch.float32)
+
+
+def test_compiled_code_expands_each_layer_itself(monkeypatch):
+    """torch.compile traces the layers without the group (whose views are host-side state) and
+    gives the eager result; eager calls after it still use the group."""
+    monkeypatch.delenv("CNA_POOL_GROUPS", raising=False)
+    torch.manual_seed(0)
+    block = Block()
+    layers = _compressed(block)
+    wc.form_expansion_groups(layers)
+    img, ctx = _inputs("cpu", torch.float32)
+    want = block(img, ctx)
+    calls = []
+    real = kernels.dequant_rows_multi
+
+    def counting(qs, scales, dtype):
+        calls.append(len(qs))
+        return real(qs, scales, dtype)
+
+    monkeypatch.setattr(kernels, "dequant_rows_multi", counting)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager")
+    got = compiled(img, ctx)
+    assert torch.equal(got, want)
+    assert calls == []  # the traced code expanded each layer itself
+    assert torch.equal(block(img, ctx), want) and calls == [4]
+    torch._dynamo.reset()
