@@ -221,7 +221,7 @@ GROUP_MAX_NUMEL = 48 << 20
 class ExpansionGroup:
     """The INT8 layers of one block, expanded by one kernel launch when the first of them runs.
 
-    Each expansion launch costs a fixed ~1 µs on top of its traffic, and a step of SDXL with
+    Each expansion launch costs a fixed 1–2 µs on top of its traffic, and a step of SDXL with
     two ControlNets expanded ~1,400 weights one at a time. The group expands all its layers'
     weights into one allocation (``kernels.dequant_rows_multi``) when one of them asks for its
     weight and finds none ready, and hands each layer its view once; the allocation is freed
@@ -304,10 +304,9 @@ def form_expansion_groups(layers: list[tuple[str, torch.nn.Module]], device=None
     ``ExpansionGroup`` per run of layers of one block (``block_of``), each run holding at most
     as many weights as the largest of ``layers`` (and ``GROUP_MAX_NUMEL``): expanding a group
     then takes no more memory than expanding that layer alone did. A layer left alone keeps
-    expanding alone. INT8 Linear layers stay out where
-    ``int8_linear`` multiplies with the INT8 weight directly on ``device`` (they expand
-    nothing). ``CNA_POOL_GROUPS=0`` turns grouping off (every layer alone, for measurements).
-    Returns how many groups were formed."""
+    expanding alone. INT8 Linear layers stay out where ``int8_linear`` multiplies with the INT8
+    weight directly on ``device`` (they expand nothing). ``CNA_POOL_GROUPS=0`` turns grouping
+    off (every layer alone, for measurements). Returns how many groups were formed."""
     linear = kernels.int8_linear_expands(device)
     for _, m in layers:
         if isinstance(m, _Int8Weight):
