@@ -53,6 +53,19 @@ def _inputs(device, dtype, c=64, ctx=80):
     return img, context
 
 
+def _count_launches(monkeypatch) -> list[int]:
+    """The weights of each ``dequant_rows_multi`` call from now on (one entry per launch)."""
+    calls: list[int] = []
+    real = kernels.dequant_rows_multi
+
+    def counting(qs, scales, dtype):
+        calls.append(len(qs))
+        return real(qs, scales, dtype)
+
+    monkeypatch.setattr(kernels, "dequant_rows_multi", counting)
+    return calls
+
+
 def _dtypes(device):
     return [torch.float32, torch.bfloat16] + ([torch.float16] if device == "cuda" else [])
 
@@ -91,14 +104,7 @@ def test_a_group_expands_once_per_pass_and_hands_each_layer_its_own_weight(devic
     block = Block().to(device)
     layers = _compressed(block)
     wc.form_expansion_groups(layers, device)
-    calls = []
-    real = kernels.dequant_rows_multi
-
-    def counting(qs, scales, dtype):
-        calls.append(len(qs))
-        return real(qs, scales, dtype)
-
-    monkeypatch.setattr(kernels, "dequant_rows_multi", counting)
+    calls = _count_launches(monkeypatch)
     img, ctx = _inputs(device, torch.float32)
     block(img, ctx)
     assert calls == [4]  # one launch for the four attention projections
@@ -255,14 +261,7 @@ def test_compiled_code_expands_each_layer_itself(monkeypatch):
     wc.form_expansion_groups(layers)
     img, ctx = _inputs("cpu", torch.float32)
     want = block(img, ctx)
-    calls = []
-    real = kernels.dequant_rows_multi
-
-    def counting(qs, scales, dtype):
-        calls.append(len(qs))
-        return real(qs, scales, dtype)
-
-    monkeypatch.setattr(kernels, "dequant_rows_multi", counting)
+    calls = _count_launches(monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(block, backend="aot_eager")
     got = compiled(img, ctx)
