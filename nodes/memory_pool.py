@@ -409,7 +409,7 @@ class MemoryPoolPatch:
                     prefetch.end_pass()
             return out
         finally:
-            wc.release_expansions((getattr(patcher, "object_patches", None) or {}).values())
+            _release_run_expansions(guider, patcher)
             self._finish(counts, ok, cuda, dev)
 
     def _finish(self, counts: dict, ok: bool, cuda: bool, dev) -> None:
@@ -527,6 +527,18 @@ def _models_of(patcher, conds) -> list:
     for m in list(models):
         models += list(m.model_patches_models())
     return models
+
+
+def _release_run_expansions(guider, patcher) -> None:
+    """The end of a run: every expansion group of the run's models (the sampled model's and
+    the ControlNets') drops the views its layers did not take."""
+    try:
+        models = _models_of_run(guider)
+    except Exception as e:  # a newer ComfyUI's conds: the sampled model's groups at least
+        logger.debug("Memory Pool: models of the run unknown (%s)", e)
+        models = [patcher]
+    for p in models:
+        wc.release_expansions((getattr(p, "object_patches", None) or {}).values())
 
 
 def _park_originals(guider) -> None:

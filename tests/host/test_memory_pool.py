@@ -173,6 +173,34 @@ def test_int8_leaves_the_smallest_layers_as_loaded(host, tiny_models, monkeypatc
     assert len(m0.object_patches) == len(sizes) and _patch(mp, m0).reports[0].kept_small == 0
 
 
+def test_a_run_ends_with_every_expansion_group_released(host, tiny_models, monkeypatch):
+    """The views a block's layers did not take are dropped at the end of the run, in the
+    ControlNets' groups as in the UNet's: each group formed for the run is released."""
+    wc = sys.modules[host.pack_module_name].memory.weight_compress
+    formed: dict[int, object] = {}  # kept alive, so no id is reused
+    calls: list[int] = []
+    released: set[int] = set()
+    form, release = wc.form_expansion_groups, wc.ExpansionGroup.release
+
+    def form_spy(layers, device):
+        layers = list(layers)
+        out = form(layers, device)
+        groups = {id(g): g for g in (v.expansion_group for _, v in layers) if g}
+        formed.update(groups)
+        calls.append(len(groups))
+        return out
+
+    def release_spy(self):
+        released.add(id(self))
+        return release(self)
+
+    monkeypatch.setattr(wc, "form_expansion_groups", form_spy)
+    monkeypatch.setattr(wc.ExpansionGroup, "release", release_spy)
+    _run(runner.Runner(), T2.with_(steps=2), "pool_int8")
+    assert len(calls) == 3 and all(calls), calls  # the UNet's groups and both ControlNets'
+    assert set(formed) <= released, [i for i in formed if i not in released]
+
+
 def test_idle_models_are_unloaded_before_sampling(host, tiny_models):
     import comfy.model_management as mm
 
