@@ -47,9 +47,10 @@ from ..graphs.compiled import (
     CompileCache,
     CompileOptions,
     CompileProgress,
+    compile_cache_dir,
     options_from_torch_compile,
 )
-from ..kernels import fx_rewrites
+from ..kernels import attention_choice, fx_rewrites
 from ..kernels.fx_rewrites import GroupNormRewrite
 from ..logger import logger
 
@@ -65,6 +66,13 @@ DYNAMIC_ENV = "CNA_COMPILE_DYNAMIC"
 # runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.
 # Opt-in (CNA_COMPILE_GROUP_NORM=1): options_for leaves it out unless it is on.
 GRAPH_PASSES = (GroupNormRewrite(),)
+# Each attention on the SDPA backend measured fastest for its shapes, the choices kept beside
+# the compile cache (kernels/attention_choice.py). Opt-in (CNA_COMPILE_ATTENTION=fastest):
+# options_for adds it only then.
+ATTENTION_FILE = "attention_backends.json"
+ATTENTION_CHOICE = attention_choice.AttentionBackendChoice(
+    cache_file=lambda: compile_cache_dir() / ATTENTION_FILE
+)
 # The node's choices. max-autotune tries several kernels per GEMM/conv on the first compile of a
 # shape (longer compile, sometimes faster steps); inductor's own CUDA graphs stay off in both.
 CHOICES: dict[str, CompileOptions | None] = {
@@ -89,7 +97,8 @@ def options_for(choice: str) -> CompileOptions | None:
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
     nothing is generated). Unless ``CNA_COMPILE_GROUP_NORM=1`` turns it on, the GroupNorm rewrite
     is left out of the settings, so code compiled with it is not reused without it (and the
-    other way). ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all
+    other way). ``CNA_COMPILE_ATTENTION=fastest`` adds the attention-backend choice the same
+    way. ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all
     sizes) instead of static ones (one per size)."""
     base = CHOICES[choice]
     if base is None:
@@ -97,6 +106,8 @@ def options_for(choice: str) -> CompileOptions | None:
     if not fx_rewrites.enabled():
         passes = tuple(p for p in base.graph_passes if not isinstance(p, GroupNormRewrite))
         base = dataclasses.replace(base, graph_passes=passes)
+    if attention_choice.enabled():
+        base = dataclasses.replace(base, graph_passes=(*base.graph_passes, ATTENTION_CHOICE))
     if os.environ.get(DYNAMIC_ENV, "0").strip() == "1":
         base = dataclasses.replace(base, dynamic="dynamic")
     backend = os.environ.get(BACKEND_ENV)

@@ -82,6 +82,22 @@ def test_group_norm_switch_gives_other_settings(monkeypatch):
     assert cs.options_for("off") is None
 
 
+def test_attention_choice_switch_gives_other_settings(monkeypatch):
+    from comfyui_controlnet_accelerator.kernels import attention_choice
+
+    monkeypatch.delenv(attention_choice.ENV, raising=False)
+    off = cs.options_for("inductor")
+    assert cs.ATTENTION_CHOICE not in off.graph_passes
+    monkeypatch.setenv(attention_choice.ENV, "fastest")
+    on = cs.options_for("inductor max-autotune")
+    assert on.graph_passes[-1] is cs.ATTENTION_CHOICE and on.mode == "max-autotune-no-cudagraphs"
+    assert cs.options_for("inductor") != off and cs.options_for("inductor") == cs.options_for(
+        "inductor"
+    )
+    path = cs.ATTENTION_CHOICE.cache_file()
+    assert path.name == cs.ATTENTION_FILE and path.parent == cs.compile_cache_dir()
+
+
 def test_dynamic_shapes_switch_gives_other_settings(monkeypatch):
     monkeypatch.delenv(cs.DYNAMIC_ENV, raising=False)
     static = cs.options_for("inductor max-autotune")

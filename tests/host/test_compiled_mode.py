@@ -187,6 +187,62 @@ def test_group_norms_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
     assert len(with_gn) >= 2 and all(fused for done, fused in seen if done), seen
 
 
+def test_attentions_of_comfyuis_networks_run_the_backend_measured_fastest(
+    host, native, tiny_models, monkeypatch
+):
+    """The attention-backend choice (``CNA_COMPILE_ATTENTION=fastest``) on ComfyUI's own UNet
+    and ControlNet. ComfyUI runs attention on NVIDIA GPUs inside ``sdpa_kernel(priority,
+    set_priority=True)``; on the CPU it does not, so the test puts that wrapper (with 0.33's
+    priority) in ComfyUI's place. The pass finds every attention of both traced graphs, moves
+    each to the backend its timer says is fastest (cuDNN here; on a GPU the real timer and
+    ComfyUI's own wrapper run), and the run still matches stock."""
+    import dataclasses
+
+    import comfy.ops
+
+    pack = sys.modules[host.pack_module_name]
+    step, ac = pack.nodes.compiled_step, pack.kernels.attention_choice
+    if host.cpu:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        order = [
+            SDPBackend.FLASH_ATTENTION,
+            SDPBackend.CUDNN_ATTENTION,
+            SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH,
+        ]
+
+        def gpu_style(q, k, v, *args, **kwargs):
+            with sdpa_kernel(order, set_priority=True):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, *args, **kwargs)
+
+        monkeypatch.setattr(comfy.ops, "scaled_dot_product_attention", gpu_style)
+        ms = {"FLASH_ATTENTION": 1.0, "CUDNN_ATTENTION": 0.5, "EFFICIENT_ATTENTION": 2.0}
+        timer = lambda site, backend: ms[backend]  # noqa: E731
+    else:
+        timer = ac.time_backend
+    seen = []
+
+    @dataclasses.dataclass(eq=False)
+    class Counting(ac.AttentionBackendChoice):
+        def __call__(self, gm):
+            found = len(ac.sites(gm))
+            seen.append((found, self.rewrite(gm)))
+            return None
+
+    monkeypatch.setattr(step, "ATTENTION_CHOICE", Counting(timer=timer, force=host.cpu))
+    monkeypatch.setenv(ac.ENV, "fastest")
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4)
+    stock, _ = _run(r, wl, 23)
+    got, p = _run(r, wl, 23, _graph(compile="inductor"))
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
+    assert _badge(host, p)["compiled"]["failed_signatures"] == 0
+    assert len(seen) >= 2 and all(found >= 2 for found, _ in seen), seen  # UNet, ControlNet
+    if host.cpu:
+        assert all(moved == {"CUDNN_ATTENTION": found} for found, moved in seen), seen
+
+
 def test_positive_only_controlnet_runs_compiled_in_the_graph(host, native, tiny_models):
     """Apply ControlNet (Fused) on the positive half of the CFG batch only: the ControlNet sees
     half the batch and a hint prepared for it, whose encoding the graph reads; the UNet and the
