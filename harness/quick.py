@@ -263,6 +263,12 @@ VARIANTS["graph_compiled_dynamic"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=22, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_dynamic"] = {"CNA_COMPILE_DYNAMIC": "1"}
+# Compiled mode with each attention on the SDPA backend measured fastest for its shapes instead
+# of ComfyUI's first choice (max_graphs 20: an input that differs, as above).
+VARIANTS["graph_compiled_attention"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=20, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_attention"] = {"CNA_COMPILE_ATTENTION": "fastest"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")
