@@ -279,8 +279,8 @@ def begin_run(
     if TORCH_COMPILE_KEY in wrappers:
         wrappers.pop(TORCH_COMPILE_KEY)  # the run's copy only (create_model_options_clone)
         if options is None:
-            options, notes = options_from_torch_compile(
-                model_options.get(TORCH_COMPILE_KWARGS), CHOICES["inductor"]
+            options, notes = options_from_torch_compile(  # with the pack's switches on top
+                model_options.get(TORCH_COMPILE_KWARGS), options_for("inductor")
             )
             source = "TorchCompileModel"
             _log_once(

@@ -120,6 +120,29 @@ def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allo
     assert cs.TORCH_COMPILE_KEY not in opts["transformer_options"]["wrappers"]["apply_model"]
 
 
+def test_an_adopted_torch_compile_model_gets_the_pack_s_compile_switches(allocator, monkeypatch):
+    """The settings of a model from TorchCompileModel start from compiled mode's own, so the
+    environment switches (the attention choice, dynamic shapes, the GroupNorm rewrite) apply to
+    it as to the node's ``compile`` choice; its own mode still wins."""
+    from comfyui_controlnet_accelerator.kernels import attention_choice, fx_rewrites
+
+    allocator("native")
+    monkeypatch.delenv(fx_rewrites.ENV, raising=False)
+    monkeypatch.delenv(cs.DYNAMIC_ENV, raising=False)
+    monkeypatch.setenv(attention_choice.ENV, "fastest")
+    run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))
+    assert run.options.graph_passes == (cs.ATTENTION_CHOICE,), run.options.graph_passes
+    monkeypatch.delenv(attention_choice.ENV)
+    monkeypatch.setenv(cs.DYNAMIC_ENV, "1")
+    run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))  # its dynamic: None
+    assert run.options.graph_passes == () and run.options.dynamic == "dynamic"
+    assert run.options.mode == "max-autotune-no-cudagraphs"
+    opts = _tcm_options()
+    opts[cs.TORCH_COMPILE_KWARGS]["dynamic"] = False
+    run, _ = cs.begin_run(None, opts, torch.nn.Linear(2, 2))
+    assert run.options.dynamic == "static"
+
+
 def test_cuda_malloc_async_refuses_with_the_fix_and_keeps_torch_compile_model(allocator):
     allocator("cudaMallocAsync")
     opts = _tcm_options()
