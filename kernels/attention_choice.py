@@ -89,22 +89,28 @@ class Site:
 
 
 def sites(gm: torch.fx.GraphModule) -> list[Site]:
-    """The attentions of ``gm`` the choice can take: each alone between an entering
-    ``_sdpa_kernel(backends, True)`` and the next ``_sdpa_kernel`` call, without a mask, on
-    tensors whose shapes the trace recorded."""
+    """The attentions of ``gm`` the choice can take: each alone inside a ``sdpa_kernel(backends,
+    set_priority=True)`` block, without a mask, on tensors whose shapes the trace recorded. A
+    block is a pair of ``_sdpa_kernel`` calls, the context manager's entry and exit, taken in
+    graph order; only an entry is ever a site's ``enter``, and an attention outside a block
+    (ComfyUI 0.33 runs small ones so) is none."""
     found: list[Site] = []
-    enter: torch.fx.Node | None = None
+    enter: torch.fx.Node | None = None  # the entry of the block the walk is in
     inside: list[torch.fx.Node] = []
     for node in gm.graph.nodes:
         if _is_call(node, "_sdpa_kernel"):
-            if enter is not None and len(inside) == 1:
+            if enter is None:
+                enter, inside = node, []
+                continue
+            set_priority = (
+                enter.args[1] if len(enter.args) > 1 else enter.kwargs.get("set_priority")
+            )
+            if set_priority is True and len(inside) == 1:
                 site = _site(enter, inside[0])
                 if site is not None:
                     found.append(site)
-            set_priority = node.args[1] if len(node.args) > 1 else node.kwargs.get("set_priority")
-            enter = node if set_priority is True else None
-            inside = []
-        elif node.op == "call_function" and node.target in _SDPA:
+            enter = None
+        elif enter is not None and node.op == "call_function" and node.target in _SDPA:
             inside.append(node)
     return found
 

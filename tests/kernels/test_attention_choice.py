@@ -149,16 +149,31 @@ def test_attention_outside_a_block_or_with_a_mask_or_on_the_cpu_is_left_alone():
         with sdpa_kernel(COMFY_033, set_priority=True):
             return F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(16, 16).bool())
 
+    def small_between(x):  # ComfyUI 0.33 runs small attentions outside any block
+        q = x.view(2, 16, 2, 4).transpose(1, 2)
+        with sdpa_kernel(COMFY_033, set_priority=True):
+            a = F.scaled_dot_product_attention(q, q, q)
+        b = F.scaled_dot_product_attention(a, a, a)
+        with sdpa_kernel(COMFY_033, set_priority=True):
+            return F.scaled_dot_product_attention(b, b, b)
+
     x, ctx = _inputs()
     timer = Timer({"CUDNN_ATTENTION": 0.1, "FLASH_ATTENTION": 1.0})
+    gm = _traced(small_between, x)
+    restore = _orders(gm)[1]
+    ac.AttentionBackendChoice(timer=timer, force=True)(gm)
+    first = ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"]
+    assert _orders(gm) == [first, restore, first, restore]  # the exits as they were
+    assert len(ac.sites(gm)) == 2
     for fn, args in ((bare, (x,)), (masked, (x,))):
         gm = _traced(fn, *args)
         before = _orders(gm)
         assert ac.AttentionBackendChoice(timer=timer, force=True)(gm) is None
         assert _orders(gm) == before
     gm = _traced(_attention, x, ctx)  # CPU tensors, not forced: a GPU-only choice
-    assert ac.AttentionBackendChoice(timer=timer)(gm) is None
-    assert not timer.calls
+    unused = Timer({"CUDNN_ATTENTION": 0.1, "FLASH_ATTENTION": 1.0})
+    assert ac.AttentionBackendChoice(timer=unused)(gm) is None
+    assert not unused.calls
 
 
 def test_off_unless_asked_for(monkeypatch):
