@@ -78,6 +78,17 @@ def _badge(host, p, class_type="CNA_CUDAGraph") -> dict:
     return _status(host).LAST[node]["data"]
 
 
+def _compiled_run_matches_stock(host, seed: int) -> None:
+    """T1, 4 steps, compiled mode against stock on ``seed``: within the exact bar, and no input
+    signature fell back to eager."""
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=4)
+    stock, _ = _run(r, wl, seed)
+    got, p = _run(r, wl, seed, _graph(compile="inductor"))
+    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
+    assert _badge(host, p)["compiled"]["failed_signatures"] == 0
+
+
 def test_compiled_graph_matches_stock_and_values_cost_no_compile(host, native, tiny_models):
     """One ControlNet, 6 steps: the compiled graph path matches stock; the first run compiles
     the UNet and the ControlNet once each, and a second run with another strength and seed
@@ -176,12 +187,7 @@ def test_group_norms_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
     opts = dataclasses.replace(step.CHOICES["inductor"], graph_passes=(Counting(force=True),))
     monkeypatch.setitem(step.CHOICES, "inductor", opts)
     monkeypatch.setenv(fx.ENV, "1")  # the rewrite is opt-in; off, compiled mode leaves it out
-    r = runner.Runner()
-    wl = wf.WORKLOADS["T1"].with_(steps=4)
-    stock, _ = _run(r, wl, 21)
-    got, p = _run(r, wl, 21, _graph(compile="inductor"))
-    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
-    assert _badge(host, p)["compiled"]["failed_signatures"] == 0
+    _compiled_run_matches_stock(host, 21)
     assert len(seen) >= 2, seen  # the UNet's graph and the ControlNet's
     with_gn = [done for done, _ in seen if done]
     assert len(with_gn) >= 2 and all(fused for done, fused in seen if done), seen
@@ -232,12 +238,7 @@ def test_attentions_of_comfyuis_networks_run_the_backend_measured_fastest(
 
     monkeypatch.setattr(step, "ATTENTION_CHOICE", Counting(timer=timer, force=host.cpu))
     monkeypatch.setenv(ac.ENV, "fastest")
-    r = runner.Runner()
-    wl = wf.WORKLOADS["T1"].with_(steps=4)
-    stock, _ = _run(r, wl, 23)
-    got, p = _run(r, wl, 23, _graph(compile="inductor"))
-    assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
-    assert _badge(host, p)["compiled"]["failed_signatures"] == 0
+    _compiled_run_matches_stock(host, 23)
     assert len(seen) >= 2 and all(found >= 2 for found, _ in seen), seen  # UNet, ControlNet
     if host.cpu:
         assert all(moved == {"CUDNN_ATTENTION": found} for found, moved in seen), seen
