@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..logger import logger
+
 ENV = "CNA_COMPILE_ATTENTION"
 ON = "fastest"
 MARGIN = 0.03  # another backend must be this much faster than ComfyUI's first choice
@@ -43,13 +45,27 @@ CANDIDATES = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 _KNOWN = {"query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"}
 _FILE_LOCK = threading.Lock()
+_WARNED: set[str] = set()  # unknown values of ENV already warned about
 
 
 def enabled() -> bool:
-    """``CNA_COMPILE_ATTENTION=fastest`` turns the choice on; otherwise the compiled code runs
-    ComfyUI's own priority. Read when compiled mode builds its settings, which leave the pass
-    out when it is off (code compiled with and without it is kept apart)."""
-    return os.environ.get(ENV, "").strip().lower() == ON
+    """``CNA_COMPILE_ATTENTION=fastest`` turns the choice on; unset, empty, ``0`` or ``off``
+    leave the compiled code on ComfyUI's own priority, and any other value does too, with a
+    warning that names the variable (once per value). Read when compiled mode builds its
+    settings, which leave the pass out when it is off (code compiled with and without it is
+    kept apart)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in (ON, "", "0", "off") and value not in _WARNED:
+        _WARNED.add(value)
+        logger.warning(
+            "%s=%r is not a setting: use %s=%s to time the attention backends, or unset it; "
+            "compiled mode keeps ComfyUI's attention order",
+            ENV,
+            value,
+            ENV,
+            ON,
+        )
+    return value == ON
 
 
 def _is_call(node: torch.fx.Node, name: str) -> bool:

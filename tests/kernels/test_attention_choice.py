@@ -176,13 +176,25 @@ def test_attention_outside_a_block_or_with_a_mask_or_on_the_cpu_is_left_alone():
     assert not unused.calls
 
 
-def test_off_unless_asked_for(monkeypatch):
+def test_off_unless_asked_for(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(ac, "_WARNED", set())
     monkeypatch.delenv(ac.ENV, raising=False)
     assert not ac.enabled()
-    monkeypatch.setenv(ac.ENV, "fastest")
+    monkeypatch.setenv(ac.ENV, " Fastest ")
     assert ac.enabled()
-    monkeypatch.setenv(ac.ENV, "comfyui")
-    assert not ac.enabled()
+    for off in ("0", "off"):
+        monkeypatch.setenv(ac.ENV, off)
+        assert not ac.enabled()
+    assert not caplog.records
+    # a value that is not a setting: off, and said once, with the variable and the fix
+    monkeypatch.setenv(ac.ENV, "cudnn")
+    with caplog.at_level(logging.WARNING):
+        assert not ac.enabled() and not ac.enabled()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "CNA_COMPILE_ATTENTION='cudnn'" in said[0], said
+    assert "CNA_COMPILE_ATTENTION=fastest" in said[0]
 
 
 @pytest.mark.cuda
