@@ -10,7 +10,10 @@
   parameter builds a new folder and the log says what changed.
 - Two processes building at once: torch's file lock serialises them; a lock left by a crashed
   build (older than ``STALE_LOCK_S``) is removed with a warning.
-- One status line before a first build, its duration after.
+- One status line before a first build, its duration after. A caller may ask for the build's
+  progress (``ensure_loaded(on_progress=...)``): the compile then runs on a helper thread and
+  the caller's thread reports each finished translation unit, and the link, as ``(done,
+  total)``; a cached build reports nothing.
 - Any failure (``$CNA_FORCE_EAGER=1``, no GPU, no nvcc, compile or load error) marks the cuda
   backend unavailable with the reason (one warning) and every op runs the eager path.
   ``$CNA_KERNELS_VERBOSE=1`` shows the compiler's output.
@@ -18,6 +21,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -25,6 +29,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,6 +56,7 @@ NVCC_FLAGS = [
     "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
 ]
 STALE_LOCK_S = 15 * 60
+PROGRESS_POLL_S = 0.5  # how often a reported build looks for finished object files
 
 _lock = threading.Lock()
 _module = None
@@ -139,8 +145,13 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
-def build(arch: str | None = None, verbose: bool | None = None):
-    """Compile (or reuse) and import the extension; raises on any failure."""
+def build(
+    arch: str | None = None,
+    verbose: bool | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+):
+    """Compile (or reuse) and import the extension; raises on any failure. ``on_progress(done,
+    total)`` is called from this thread while a fresh build compiles (see the module)."""
     arch = arch or target_arch()
     if arch is None:
         raise RuntimeError("no CUDA device visible (set CNA_CUDA_ARCH to compile without one)")
@@ -172,17 +183,19 @@ def build(arch: str | None = None, verbose: bool | None = None):
     t0 = time.perf_counter()
     prev_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    load = functools.partial(
+        cpp_extension.load,
+        name=name,
+        sources=[str(CSRC / s) for s in SOURCES],
+        extra_cflags=CFLAGS,
+        extra_cuda_cflags=NVCC_FLAGS,
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(build_dir),
+        verbose=verbose,
+        with_cuda=True,
+    )
     try:
-        mod = cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_cuda_cflags=NVCC_FLAGS,
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(build_dir),
-            verbose=verbose,
-            with_cuda=True,
-        )
+        mod = _load_reporting(load, build_dir, on_progress) if fresh and on_progress else load()
     finally:
         if prev_arch is None:
             os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
@@ -194,6 +207,56 @@ def build(arch: str | None = None, verbose: bool | None = None):
         )
     (root / "last.json").write_text(json.dumps(params, indent=1))
     return mod
+
+
+def _report(on_progress: Callable[[int, int], None], done: int, total: int) -> None:
+    try:
+        on_progress(done, total)
+    except Exception as e:  # a progress bar must never break a build
+        logger.debug("kernel build progress not shown: %s", e)
+
+
+def _load_reporting(load: Callable, build_dir: Path, on_progress: Callable[[int, int], None]):
+    """``load()`` on a helper thread while this one reports progress: one step per source
+    whose object file the build wrote since it started, and one for the link and import. The
+    helper's error, if any, is raised here."""
+    total = len(SOURCES) + 1
+    started = time.time() - 1.0  # file times may be coarser than the clock
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["module"] = load()
+        except BaseException as e:  # raised again on the caller's thread
+            out["error"] = e
+
+    worker = threading.Thread(target=run, name="cna-kernel-build", daemon=True)
+    shown = 0
+    _report(on_progress, 0, total)
+    worker.start()
+    while worker.is_alive():
+        worker.join(PROGRESS_POLL_S)
+        done = min(total - 1, _objects_written(build_dir, started))
+        if done > shown:
+            shown = done
+            _report(on_progress, done, total)
+    if "error" in out:
+        raise out["error"]
+    _report(on_progress, total, total)
+    return out["module"]
+
+
+def _objects_written(build_dir: Path, since: float) -> int:
+    n = 0
+    try:
+        for f in build_dir.glob("*.o"):
+            try:
+                n += f.stat().st_mtime >= since
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return n
 
 
 def _say_what_changed(root: Path, params: dict) -> None:
@@ -209,9 +272,14 @@ def _say_what_changed(root: Path, params: dict) -> None:
         )
 
 
-def ensure_loaded():
+def _gpu_visible() -> bool:
+    return torch.cuda.is_available()
+
+
+def ensure_loaded(on_progress: Callable[[int, int], None] | None = None):
     """The extension module, building it on first call; None (and cuda marked unavailable)
-    when it cannot be had. Safe to call from several threads."""
+    when it cannot be had. Safe to call from several threads. ``on_progress``: see ``build``
+    (only the call that builds reports)."""
     global _module, _tried
     if _tried:
         return _module
@@ -221,9 +289,9 @@ def ensure_loaded():
         try:
             if os.environ.get("CNA_FORCE_EAGER") == "1":
                 raise RuntimeError("CNA_FORCE_EAGER=1")
-            if not torch.cuda.is_available():
+            if not _gpu_visible():
                 raise RuntimeError("no CUDA device visible")
-            _module = build()
+            _module = build(on_progress=on_progress) if on_progress else build()
         except Exception as e:  # any failure: one warning, eager from now on
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             registry.mark_unavailable("cuda", f"{type(e).__name__}: {first}")

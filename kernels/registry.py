@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -203,6 +204,23 @@ def _cuda_static_reason() -> str | None:
     if _jit.cuda_home() is None:
         return "no CUDA compiler (nvcc not on PATH, CUDA_HOME unset)"
     return None
+
+
+def prepare_cuda(on_progress: Callable[[int, int], None] | None = None) -> bool:
+    """Build (or load) the CUDA extension now, where the ops would run on it by default (a CUDA
+    GPU, a compiler, the kernels validated or ``CNA_KERNELS=cuda``), so that a first build
+    happens where the caller can show its progress rather than inside the first op.
+    ``on_progress(done, total)``: see ``_jit.build``. Returns whether the extension is loaded;
+    never raises (a failed build marks the backend unavailable, as on first use)."""
+    from . import _jit
+
+    if _jit.is_loaded():
+        return True
+    if _BACKENDS["cuda"].unavailable is not None or _cuda_static_reason() is not None:
+        return False
+    if not _cuda_by_default():
+        return False
+    return _jit.ensure_loaded(on_progress=on_progress) is not None
 
 
 def list_backends() -> list[dict]:

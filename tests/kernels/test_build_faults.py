@@ -1,8 +1,11 @@
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""The CPU side of "two processes building the extension at once" (issue #9, item 2): a lock
-left by a crashed build is cleared, a live one is left alone, and threads of one process that
-ask for the extension together build it once. The real two-process build needs nvcc:
-tests/kernels/test_build.py::test_two_processes_build_the_extension_at_once."""
+"""The CPU side of the extension's build.
+
+Two processes building at once: a lock left by a crashed build is cleared, a live one is left
+alone, and threads of one process that ask for the extension together build it once (the real
+two-process build needs nvcc: tests/kernels/test_build.py). A build's progress: reported from
+the caller's thread, one step per source and one for the link, with a stand-in for torch's
+loader. ``prepare_cuda``: builds only where the ops would use the kernels."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from comfyui_controlnet_accelerator.kernels import _jit
 
@@ -55,3 +59,101 @@ def test_threads_asking_at_once_build_once(monkeypatch):
         assert len(calls) == 1 and got == [module] * 4
     finally:
         _jit.reset_for_tests()
+
+
+def _fake_build_env(monkeypatch, tmp_path):
+    """A build that needs no compiler: torch's loader replaced by one that writes each object
+    file in turn (as ninja does) and returns a stand-in module."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("CNA_KERNELS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_jit, "cuda_home", lambda: str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # build() points torch at it: put back after
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
+    monkeypatch.setattr(_jit, "PROGRESS_POLL_S", 0.02)
+    module = object()
+    loads = []
+
+    def load(name, sources, build_directory, **kw):
+        loads.append(threading.get_ident())
+        for src in sources:
+            time.sleep(0.15)
+            stem = os.path.basename(src).rsplit(".", 1)[0]
+            suffix = ".cuda.o" if src.endswith(".cu") else ".o"
+            with open(os.path.join(build_directory, stem + suffix), "w") as f:
+                f.write("")
+        time.sleep(0.15)  # the link
+        with open(os.path.join(build_directory, name + ".so"), "w") as f:
+            f.write("")
+        return module
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    return module, loads
+
+
+def test_a_fresh_build_reports_each_source_and_the_link_from_the_callers_thread(
+    monkeypatch, tmp_path
+):
+    module, loads = _fake_build_env(monkeypatch, tmp_path)
+    seen = []
+    me = threading.get_ident()
+    got = _jit.build("9.0", on_progress=lambda d, t: seen.append((d, t, threading.get_ident())))
+    total = len(_jit.SOURCES) + 1
+    assert got is module
+    assert loads and loads[0] != me  # compiled on a helper thread
+    assert {th for _, _, th in seen} == {me}  # reported where the caller can show it
+    done = [d for d, _, _ in seen]
+    assert all(t == total for _, t, _ in seen)
+    assert done[0] == 0 and done[-1] == total and done == sorted(set(done))
+    assert len(done) >= 4  # steps in between, not only the start and the end
+
+    # The same build again is a cache hit: loaded in this thread, nothing reported.
+    seen.clear()
+    assert _jit.build("9.0", on_progress=lambda d, t: seen.append(d)) is module
+    assert seen == [] and loads[-1] == me
+
+
+def test_a_failing_reported_build_raises_its_error_and_a_broken_bar_never_stops_it(
+    monkeypatch, tmp_path
+):
+    from torch.utils import cpp_extension
+
+    module, _ = _fake_build_env(monkeypatch, tmp_path)
+
+    def bar(done, total):
+        raise RuntimeError("the progress bar is gone")
+
+    assert _jit.build("9.0", on_progress=bar) is module
+
+    def broken(name, sources, build_directory, **kw):
+        raise RuntimeError("nvcc: error")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    with pytest.raises(RuntimeError, match="nvcc: error"):
+        _jit.build("8.9", on_progress=lambda d, t: None)  # another arch: a fresh build
+
+
+def test_prepare_cuda_builds_only_where_the_ops_would_use_the_kernels(monkeypatch):
+    from comfyui_controlnet_accelerator import kernels
+    from comfyui_controlnet_accelerator.kernels import registry
+
+    calls = []
+    module = object()
+
+    def ensure_loaded(on_progress=None):
+        calls.append(on_progress)
+        return module
+
+    monkeypatch.setattr(_jit, "ensure_loaded", ensure_loaded)
+    monkeypatch.setattr(_jit, "is_loaded", lambda: False)
+    report = object()
+    why = {"now": "no CUDA GPU visible"}
+    monkeypatch.setattr(registry, "_cuda_static_reason", lambda: why["now"])
+    assert kernels.prepare_cuda(report) is False and calls == []
+    why["now"] = None
+    monkeypatch.setattr(registry, "_cuda_by_default", lambda op=None: False)  # not validated
+    assert kernels.prepare_cuda(report) is False and calls == []
+    monkeypatch.setattr(registry, "_cuda_by_default", lambda op=None: True)
+    assert kernels.prepare_cuda(report) is True and calls == [report]
+    monkeypatch.setattr(_jit, "is_loaded", lambda: True)
+    assert kernels.prepare_cuda(report) is True and len(calls) == 1
