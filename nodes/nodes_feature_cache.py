@@ -9,6 +9,7 @@ from comfy_api.latest import io
 from ..errors import NodeInputError
 from ..memory.feature_cache import MODES, STORAGES, CacheConfig
 from .feature_cache import apply_cache
+from .kernel_build import build_kernels
 from .status import node_id_of
 from .validate import check_choices, widget_errors
 
@@ -148,6 +149,9 @@ class ControlNetFeatureCache(io.ComfyNode):
         )
         check_inputs(**values)
         cfg = CacheConfig(**values)
+        if cfg.mode != "off" and cfg.storage == "int8":
+            # a first build of the kernels shows as this node's progress, not in a step
+            build_kernels(node_id_of(cls))
         return io.NodeOutput(apply_cache(control_net, cfg, node_id=node_id_of(cls)))
 
 

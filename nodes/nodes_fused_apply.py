@@ -6,6 +6,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from .fused_apply import apply_fused
+from .kernel_build import build_kernels
 from .status import node_id_of
 
 CATEGORY = "ControlNet Accelerator/conditioning"
@@ -90,6 +91,8 @@ class ControlNetApplyFused(io.ComfyNode):
         vae=None,
         positive_only=False,
     ) -> io.NodeOutput:
+        # a first build of the kernels shows as this node's progress, not in a step
+        build_kernels(node_id_of(cls))
         pos, neg = apply_fused(
             positive,
             negative,

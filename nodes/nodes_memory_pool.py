@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from .kernel_build import build_kernels
 from .memory_pool import WEIGHT_MODES, PoolOptions, apply_memory_pool
 from .status import node_id_of
 from .validate import check_choices, widget_errors
@@ -86,6 +87,9 @@ class ControlNetMemoryPool(io.ComfyNode):
     ) -> io.NodeOutput:
         check_choices(NODE, _weight_inputs(unet_weights, controlnet_weights))
         opts = PoolOptions(unet_weights, controlnet_weights, bool(offload_idle_models))
+        if "int8" in (unet_weights, controlnet_weights):
+            # a first build of the kernels shows as this node's progress, not in a step
+            build_kernels(node_id_of(cls))
         m, cn = apply_memory_pool(model, control_net, opts, node_id=node_id_of(cls))
         return io.NodeOutput(m, cn)
 

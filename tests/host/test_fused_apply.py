@@ -98,6 +98,79 @@ def test_stock_apply_then_fused_apply_chain(host, tiny_models):
     _close(host, stock, mixed)
 
 
+def test_a_first_kernel_build_shows_as_progress_before_sampling(
+    host, tiny_models, monkeypatch, tmp_path
+):
+    """Where the kernels would be used and are not built yet, the Fused node builds them while
+    it runs, on ComfyUI's progress bar (one step per source and the link), before the sampler
+    starts; later prompts build nothing. The compiler is a stand-in (no nvcc here) that writes
+    the object files in turn, as ninja does."""
+    import os
+    import threading
+    import time
+
+    import comfy.utils
+    from torch.utils import cpp_extension
+
+    k = sys.modules[host.pack_module_name].kernels
+    jit, registry = k._jit, k.registry
+    monkeypatch.setattr(registry, "_cuda_static_reason", lambda: None)  # as on a CUDA machine
+    monkeypatch.setattr(registry, "_cuda_by_default", lambda op=None: True)
+    monkeypatch.setattr(jit, "_gpu_visible", lambda: True)
+    monkeypatch.setattr(jit, "cuda_home", lambda: os.fspath(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", os.fspath(tmp_path))
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
+    monkeypatch.setenv("CNA_KERNELS_CACHE", os.fspath(tmp_path / "kernel-build"))
+    monkeypatch.setenv("CNA_CUDA_ARCH", "9.0")
+    monkeypatch.setattr(jit, "PROGRESS_POLL_S", 0.02)
+    loads = []
+
+    def load(name, sources, build_directory, **kw):
+        loads.append(threading.get_ident())
+        for src in sources:
+            time.sleep(0.1)
+            stem = os.path.basename(src).rsplit(".", 1)[0]
+            open(os.path.join(build_directory, stem + ".o"), "w").close()
+        open(os.path.join(build_directory, name + ".so"), "w").close()
+        return object()  # never called: the test's tensors are on the CPU
+
+    seen = []  # (value, total, node id) of every progress update, whoever set the hook
+    set_hook = comfy.utils.set_progress_bar_global_hook
+
+    def recording(hook):
+        def both(value, total, preview, *a, **kw):
+            seen.append((value, total, kw.get("node_id")))
+            return hook(value, total, preview, *a, **kw)
+
+        set_hook(None if hook is None else both)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(comfy.utils, "set_progress_bar_global_hook", recording)
+    total = len(jit.SOURCES) + 1
+    steps = total + 1  # the sampler's bar: another total
+    jit.reset_for_tests()
+    try:
+        import folder_paths
+
+        wl = wf.WORKLOADS["T1"].with_(steps=steps)
+        p, ids = wf.build_prompt(
+            wl, 7, wf.write_hint_images(folder_paths.get_input_directory(), wl), FUSED
+        )
+        badges.run(runner.Runner(), p, ids)
+        assert len(loads) == 1 and loads[0] != threading.get_ident()
+        build = [(i, v) for i, (v, t, node) in enumerate(seen) if t == total]
+        assert build and build[0][1] == 0 and build[-1][1] == total, seen
+        # on the Fused node
+        assert {str(seen[i][2]) for i, _ in build} == {str(ids["apply_0"])}, seen
+        sampling = [i for i, (_, t, _) in enumerate(seen) if t == steps]
+        assert sampling and build[-1][0] < sampling[0], seen  # all of it before the first step
+        seen.clear()
+        _run(runner.Runner(), wf.WORKLOADS["T1"].with_(steps=steps, strength=0.9), 8, FUSED)
+        assert len(loads) == 1 and seen and all(t == steps for _, t, _ in seen), seen
+    finally:
+        jit.reset_for_tests()
+
+
 def test_strength_zero_returns_conditioning_untouched(host, tiny_models):
     mod = sys.modules[host.pack_module_name]
     pos, neg = [[torch.zeros(1, 2, 3), {}]], [[torch.zeros(1, 2, 3), {}]]

@@ -1,0 +1,38 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The pack's CUDA kernels built while a node that uses them runs, with ComfyUI's progress bar.
+
+The kernels compile on first use (about a minute on 16 cores, several on two; then cached).
+Left to the first op, that happens inside the sampler's first step, where ComfyUI shows
+nothing moving. The nodes whose steps use them (*Apply ControlNet (Fused)*, the *ControlNet
+Feature Cache* when on, the *ControlNet Memory Pool* with INT8 weights) call ``build_kernels``
+when they run instead: the build then shows as that node's progress bar, one step per compiled
+source and one for the link, besides the log's line. Where the ops would not use the kernels
+(no CUDA GPU, no compiler, ``CNA_KERNELS=eager``) or they are built already, it does nothing.
+It never fails the node: a failed build leaves every op on its PyTorch path, as on first use.
+"""
+
+from __future__ import annotations
+
+from .. import kernels
+from ..logger import logger
+
+
+def build_kernels(node_id=None) -> bool:
+    """Build (or load) the kernels now if the ops would use them, showing progress on node
+    ``node_id`` (the running node's id; None: the node ComfyUI runs). Returns whether they are
+    loaded."""
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            import comfy.utils
+
+            bar = comfy.utils.ProgressBar(total, node_id=node_id)
+        bar.update_absolute(done, total)
+
+    try:
+        return kernels.prepare_cuda(on_progress=progress)
+    except Exception as e:  # never fail the node over the kernels
+        logger.debug("kernels not built ahead: %s", e)
+        return False
