@@ -7,7 +7,8 @@ nothing moving. The nodes whose steps use them (*Apply ControlNet (Fused)*, the 
 Feature Cache* when on, the *ControlNet Memory Pool* with INT8 weights) call ``build_kernels``
 when they run instead: the build then shows as that node's progress bar, one step per compiled
 source and one for the link, besides the log's line. Where the ops would not use the kernels
-(no CUDA GPU, no compiler, ``CNA_KERNELS=eager``) or they are built already, it does nothing.
+(ComfyUI not on a CUDA device, no compiler, ``CNA_KERNELS=eager``) or they are built already,
+it does nothing.
 It never fails the node: a failed build leaves every op on its PyTorch path, as on first use.
 """
 
@@ -32,7 +33,15 @@ def build_kernels(node_id=None) -> bool:
         bar.update_absolute(done, total)
 
     try:
+        if not _comfy_on_cuda():
+            return False  # ComfyUI runs on another device (--cpu): the ops never meet CUDA
         return kernels.prepare_cuda(on_progress=progress)
     except Exception as e:  # never fail the node over the kernels
         logger.debug("kernels not built ahead: %s", e)
         return False
+
+
+def _comfy_on_cuda() -> bool:
+    import comfy.model_management
+
+    return comfy.model_management.get_torch_device().type == "cuda"

@@ -112,7 +112,9 @@ def test_a_first_kernel_build_shows_as_progress_before_sampling(
     import comfy.utils
     from torch.utils import cpp_extension
 
-    k = sys.modules[host.pack_module_name].kernels
+    pack = sys.modules[host.pack_module_name]
+    k = pack.kernels
+    monkeypatch.setattr(pack.nodes.kernel_build, "_comfy_on_cuda", lambda: True)
     jit, registry = k._jit, k.registry
     monkeypatch.setattr(registry, "_cuda_static_reason", lambda: None)  # as on a CUDA machine
     monkeypatch.setattr(registry, "_cuda_by_default", lambda op=None: True)
@@ -132,7 +134,7 @@ def test_a_first_kernel_build_shows_as_progress_before_sampling(
             stem = os.path.basename(src).rsplit(".", 1)[0]
             open(os.path.join(build_directory, stem + ".o"), "w").close()
         open(os.path.join(build_directory, name + ".so"), "w").close()
-        return object()  # never called: the test's tensors are on the CPU
+        return object()  # never called: the ops are held on their PyTorch path below
 
     seen = []  # (value, total, node id) of every progress update, whoever set the hook
     set_hook = comfy.utils.set_progress_bar_global_hook
@@ -149,24 +151,25 @@ def test_a_first_kernel_build_shows_as_progress_before_sampling(
     total = len(jit.SOURCES) + 1
     steps = total + 1  # the sampler's bar: another total
     jit.reset_for_tests()
-    try:
-        import folder_paths
+    import folder_paths
 
-        wl = wf.WORKLOADS["T1"].with_(steps=steps)
-        p, ids = wf.build_prompt(
-            wl, 7, wf.write_hint_images(folder_paths.get_input_directory(), wl), FUSED
-        )
-        badges.run(runner.Runner(), p, ids)
-        assert len(loads) == 1 and loads[0] != threading.get_ident()
-        build = [(i, v) for i, (v, t, node) in enumerate(seen) if t == total]
-        assert build and build[0][1] == 0 and build[-1][1] == total, seen
-        # on the Fused node
-        assert {str(seen[i][2]) for i, _ in build} == {str(ids["apply_0"])}, seen
-        sampling = [i for i, (_, t, _) in enumerate(seen) if t == steps]
-        assert sampling and build[-1][0] < sampling[0], seen  # all of it before the first step
-        seen.clear()
-        _run(runner.Runner(), wf.WORKLOADS["T1"].with_(steps=steps, strength=0.9), 8, FUSED)
-        assert len(loads) == 1 and seen and all(t == steps for _, t, _ in seen), seen
+    wl = wf.WORKLOADS["T1"].with_(steps=steps)
+    p, ids = wf.build_prompt(
+        wl, 7, wf.write_hint_images(folder_paths.get_input_directory(), wl), FUSED
+    )
+    try:
+        with k.use_backend("eager"):  # on a GPU too: the stand-in module has no kernels
+            badges.run(runner.Runner(), p, ids)
+            assert len(loads) == 1 and loads[0] != threading.get_ident()
+            build = [(i, v) for i, (v, t, node) in enumerate(seen) if t == total]
+            assert build and build[0][1] == 0 and build[-1][1] == total, seen
+            # on the Fused node, all of it before the sampler's first step
+            assert {str(seen[i][2]) for i, _ in build} == {str(ids["apply_0"])}, seen
+            sampling = [i for i, (_, t, _) in enumerate(seen) if t == steps]
+            assert sampling and build[-1][0] < sampling[0], seen
+            seen.clear()
+            _run(runner.Runner(), wl.with_(strength=0.9), 8, FUSED)
+            assert len(loads) == 1 and seen and all(t == steps for _, t, _ in seen), seen
     finally:
         jit.reset_for_tests()
 

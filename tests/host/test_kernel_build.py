@@ -37,3 +37,21 @@ def test_cache_and_pool_build_the_kernels_only_for_their_int8_settings(host, mon
         asked.clear()
         run()
         assert len(asked) == int(builds), i
+
+
+def test_nothing_is_built_where_comfyui_does_not_run_on_cuda(host, monkeypatch):
+    pack = sys.modules[host.pack_module_name]
+    kb = pack.nodes.kernel_build
+    asked = []
+    monkeypatch.setattr(kb.kernels, "prepare_cuda", lambda on_progress=None: asked.append(1))
+    monkeypatch.setattr(kb, "_comfy_on_cuda", lambda: False)  # as with --cpu on a GPU machine
+    assert kb.build_kernels("7") is False and asked == []
+    monkeypatch.setattr(kb, "_comfy_on_cuda", lambda: True)
+    kb.build_kernels("7")
+    assert asked == [1]
+    if host.cpu:  # ComfyUI's own device, unpatched
+        monkeypatch.undo()
+        import comfy.model_management
+
+        assert comfy.model_management.get_torch_device().type == "cpu"
+        assert kb._comfy_on_cuda() is False
