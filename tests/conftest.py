@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,43 @@ def tiny_models(host, models_dir):
     return random_models.ensure_models(
         ["sd15-tiny", "sd15-tiny-cn-a", "sd15-tiny-cn-b"], models_dir
     )
+
+
+@pytest.fixture
+def standin_compiler(monkeypatch, tmp_path):
+    """A kernel build that needs no compiler, for the build's own tests.
+
+    ``install(jit)`` points the given ``kernels._jit`` module (the pack's own, or the one
+    ComfyUI loaded) at a CUDA home and a kernel cache under ``tmp_path``, and replaces torch's
+    loader by one that writes each object file in turn (as ninja does, a ``.cuda.o`` for a
+    ``.cu`` source), then the library, and returns a stand-in module. It returns that module
+    and the list of thread ids the loader ran on."""
+    from torch.utils import cpp_extension
+
+    def install(jit, *, step_s=0.1):
+        monkeypatch.setenv("CNA_KERNELS_CACHE", os.fspath(tmp_path / "kernel-build"))
+        monkeypatch.setattr(jit, "cuda_home", lambda: os.fspath(tmp_path))
+        monkeypatch.setenv("CUDA_HOME", os.fspath(tmp_path))  # build() points torch at it
+        monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)  # put back
+        monkeypatch.setattr(jit, "PROGRESS_POLL_S", 0.02)
+        module = object()
+        loads = []
+
+        def load(name, sources, build_directory, **kw):
+            loads.append(threading.get_ident())
+            for src in sources:
+                time.sleep(step_s)
+                stem = os.path.basename(src).rsplit(".", 1)[0]
+                suffix = ".cuda.o" if src.endswith(".cu") else ".o"
+                open(os.path.join(build_directory, stem + suffix), "w").close()
+            time.sleep(step_s)  # the link
+            open(os.path.join(build_directory, name + ".so"), "w").close()
+            return module
+
+        monkeypatch.setattr(cpp_extension, "load", load)
+        return module, loads
+
+    return install
 
 
 @pytest.fixture

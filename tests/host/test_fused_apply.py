@@ -99,18 +99,15 @@ def test_stock_apply_then_fused_apply_chain(host, tiny_models):
 
 
 def test_a_first_kernel_build_shows_as_progress_before_sampling(
-    host, tiny_models, monkeypatch, tmp_path
+    host, tiny_models, monkeypatch, standin_compiler
 ):
     """Where the kernels would be used and are not built yet, the Fused node builds them while
     it runs, on ComfyUI's progress bar (one step per source and the link), before the sampler
     starts; later prompts build nothing. The compiler is a stand-in (no nvcc here) that writes
     the object files in turn, as ninja does."""
-    import os
     import threading
-    import time
 
     import comfy.utils
-    from torch.utils import cpp_extension
 
     pack = sys.modules[host.pack_module_name]
     k = pack.kernels
@@ -119,22 +116,9 @@ def test_a_first_kernel_build_shows_as_progress_before_sampling(
     monkeypatch.setattr(registry, "_cuda_static_reason", lambda: None)  # as on a CUDA machine
     monkeypatch.setattr(registry, "_cuda_by_default", lambda op=None: True)
     monkeypatch.setattr(jit, "_gpu_visible", lambda: True)
-    monkeypatch.setattr(jit, "cuda_home", lambda: os.fspath(tmp_path))
-    monkeypatch.setenv("CUDA_HOME", os.fspath(tmp_path))
-    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
-    monkeypatch.setenv("CNA_KERNELS_CACHE", os.fspath(tmp_path / "kernel-build"))
     monkeypatch.setenv("CNA_CUDA_ARCH", "9.0")
-    monkeypatch.setattr(jit, "PROGRESS_POLL_S", 0.02)
-    loads = []
-
-    def load(name, sources, build_directory, **kw):
-        loads.append(threading.get_ident())
-        for src in sources:
-            time.sleep(0.1)
-            stem = os.path.basename(src).rsplit(".", 1)[0]
-            open(os.path.join(build_directory, stem + ".o"), "w").close()
-        open(os.path.join(build_directory, name + ".so"), "w").close()
-        return object()  # never called: the ops are held on their PyTorch path below
+    # the stand-in module is never called: the ops are held on their PyTorch path below
+    _, loads = standin_compiler(jit)
 
     seen = []  # (value, total, node id) of every progress update, whoever set the hook
     set_hook = comfy.utils.set_progress_bar_global_hook
@@ -146,7 +130,6 @@ def test_a_first_kernel_build_shows_as_progress_before_sampling(
 
         set_hook(None if hook is None else both)
 
-    monkeypatch.setattr(cpp_extension, "load", load)
     monkeypatch.setattr(comfy.utils, "set_progress_bar_global_hook", recording)
     total = len(jit.SOURCES) + 1
     steps = total + 1  # the sampler's bar: another total

@@ -61,40 +61,10 @@ def test_threads_asking_at_once_build_once(monkeypatch):
         _jit.reset_for_tests()
 
 
-def _fake_build_env(monkeypatch, tmp_path):
-    """A build that needs no compiler: torch's loader replaced by one that writes each object
-    file in turn (as ninja does) and returns a stand-in module."""
-    from torch.utils import cpp_extension
-
-    monkeypatch.setenv("CNA_KERNELS_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(_jit, "cuda_home", lambda: str(tmp_path))
-    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # build() points torch at it: put back after
-    monkeypatch.setattr(cpp_extension, "CUDA_HOME", cpp_extension.CUDA_HOME)
-    monkeypatch.setattr(_jit, "PROGRESS_POLL_S", 0.02)
-    module = object()
-    loads = []
-
-    def load(name, sources, build_directory, **kw):
-        loads.append(threading.get_ident())
-        for src in sources:
-            time.sleep(0.15)
-            stem = os.path.basename(src).rsplit(".", 1)[0]
-            suffix = ".cuda.o" if src.endswith(".cu") else ".o"
-            with open(os.path.join(build_directory, stem + suffix), "w") as f:
-                f.write("")
-        time.sleep(0.15)  # the link
-        with open(os.path.join(build_directory, name + ".so"), "w") as f:
-            f.write("")
-        return module
-
-    monkeypatch.setattr(cpp_extension, "load", load)
-    return module, loads
-
-
 def test_a_fresh_build_reports_each_source_and_the_link_from_the_callers_thread(
-    monkeypatch, tmp_path
+    standin_compiler,
 ):
-    module, loads = _fake_build_env(monkeypatch, tmp_path)
+    module, loads = standin_compiler(_jit, step_s=0.15)
     seen = []
     me = threading.get_ident()
     got = _jit.build("9.0", on_progress=lambda d, t: seen.append((d, t, threading.get_ident())))
@@ -114,11 +84,11 @@ def test_a_fresh_build_reports_each_source_and_the_link_from_the_callers_thread(
 
 
 def test_a_failing_reported_build_raises_its_error_and_a_broken_bar_never_stops_it(
-    monkeypatch, tmp_path
+    monkeypatch, standin_compiler
 ):
     from torch.utils import cpp_extension
 
-    module, _ = _fake_build_env(monkeypatch, tmp_path)
+    module, _ = standin_compiler(_jit, step_s=0.15)
 
     def bar(done, total):
         raise RuntimeError("the progress bar is gone")
