@@ -269,6 +269,12 @@ VARIANTS["graph_compiled_attention"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=20, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_attention"] = {"CNA_COMPILE_ATTENTION": "fastest"}
+# Compiled mode with every attention on ComfyUI's own first choice (the choice off; by default
+# it runs for the attentions ComfyUI puts on flash attention first). max_graphs 19, as above.
+VARIANTS["graph_compiled_comfy_attention"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=19, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_comfy_attention"] = {"CNA_COMPILE_ATTENTION": "off"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

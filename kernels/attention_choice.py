@@ -20,11 +20,16 @@ the same attention in fp16/bf16 with fp32 accumulation; the results differ by ro
 The choices are kept in a JSON file (``cache_file``) keyed by GPU, torch version and shapes, so
 that a restart makes the same choice, the graph stays the same and torch's compile caches hit.
 
-Off unless ``CNA_COMPILE_ATTENTION=fastest``. Plain PyTorch; no ComfyUI import.
+``CNA_COMPILE_ATTENTION`` (``mode``): ``auto`` (the default) times only the attentions whose
+first backend in ComfyUI's list is flash attention (ComfyUI 0.33's order), ``fastest`` every
+attention (0.3.64's cuDNN-first order too), ``off`` none. On an H200 the choice took ComfyUI
+0.33's compiled step down at SD1.5 512² and SDXL 1024², and never paid where cuDNN came first.
+Plain PyTorch; no ComfyUI import.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -39,7 +44,10 @@ import torch.nn.functional as F
 from ..logger import logger
 
 ENV = "CNA_COMPILE_ATTENTION"
-ON = "fastest"
+ON = "fastest"  # every attention
+AUTO = "auto"  # the default: attentions that ComfyUI would run on flash attention first
+OFF = "off"
+AUTO_FROM = ("FLASH_ATTENTION",)  # the first backends ``auto`` times
 MARGIN = 0.03  # another backend must be this much faster than ComfyUI's first choice
 CANDIDATES = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 _SDPA = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -48,24 +56,33 @@ _FILE_LOCK = threading.Lock()
 _WARNED: set[str] = set()  # unknown values of ENV already warned about
 
 
-def enabled() -> bool:
-    """``CNA_COMPILE_ATTENTION=fastest`` turns the choice on; unset, empty, ``0`` or ``off``
-    leave the compiled code on ComfyUI's own priority, and any other value does too, with a
-    warning that names the variable (once per value). Read when compiled mode builds its
-    settings, which leave the pass out when it is off (code compiled with and without it is
-    kept apart)."""
+def mode() -> str:
+    """``CNA_COMPILE_ATTENTION``: ``auto`` when unset or empty (the choice for attentions that
+    ComfyUI would run on flash attention first), ``fastest`` for every attention, ``off`` (or
+    ``0``) for ComfyUI's own order everywhere. Any other value is ``auto``, with a warning that
+    names the variable and its settings (once per value). Read when compiled mode builds its
+    settings, which carry the pass for the mode (code compiled under each mode is kept
+    apart)."""
     value = os.environ.get(ENV, "").strip().lower()
-    if value not in (ON, "", "0", "off") and value not in _WARNED:
+    if value in ("", AUTO):
+        return AUTO
+    if value == ON:
+        return ON
+    if value in ("0", OFF):
+        return OFF
+    if value not in _WARNED:
         _WARNED.add(value)
         logger.warning(
-            "%s=%r is not a setting: use %s=%s to time the attention backends, or unset it; "
-            "compiled mode keeps ComfyUI's attention order",
+            "%s=%r is not a setting: use %s (the default), %s (time every attention's "
+            "backends) or %s (ComfyUI's attention order); compiled mode uses %s",
             ENV,
             value,
-            ENV,
+            AUTO,
             ON,
+            OFF,
+            AUTO,
         )
-    return value == ON
+    return AUTO
 
 
 def _is_call(node: torch.fx.Node, name: str) -> bool:
@@ -202,11 +219,13 @@ class AttentionBackendChoice:
     """A graph pass: each attention's fastest backend first (see the module). ``timer(site,
     backend)`` gives milliseconds or None (``time_backend`` on a GPU); ``cache_file()`` the JSON
     file the choices are kept in (None: kept for this process only). ``force`` times sites on
-    any device (the tests, with their own timer)."""
+    any device (the tests, with their own timer). ``first_in``: only the attentions whose first
+    backend in ComfyUI's list is one of these are timed (None: every attention)."""
 
     cache_file: Callable[[], Path | None] = lambda: None
     timer: Callable[[Site, str], float | None] = time_backend
     force: bool = False
+    first_in: tuple[str, ...] | None = None
     _choices: dict = field(default_factory=dict, repr=False, compare=False)
     _loaded: set = field(default_factory=set, repr=False, compare=False)
     # how many times faster than ComfyUI's first choice each site timed in this process ran
@@ -215,10 +234,25 @@ class AttentionBackendChoice:
     _gains: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __hash__(self) -> int:
-        return hash(type(self))
+        return hash((type(self), self.first_in))
 
     def __eq__(self, other) -> bool:
-        return type(other) is type(self) and other.force == self.force
+        return (
+            type(other) is type(self)
+            and other.force == self.force
+            and other.first_in == self.first_in
+        )
+
+    def only_first(self, backends: tuple[str, ...]) -> AttentionBackendChoice:
+        """The same choice (its timings, memory and file shared) for the attentions whose first
+        backend is one of ``backends``."""
+        return dataclasses.replace(
+            self,
+            first_in=tuple(backends),
+            _choices=self._choices,
+            _loaded=self._loaded,
+            _gains=self._gains,
+        )
 
     def __call__(self, gm: torch.fx.GraphModule) -> str | None:
         gains: list[float] = []
@@ -253,9 +287,15 @@ class AttentionBackendChoice:
             return
         with _FILE_LOCK:
             try:
+                kept = json.loads(path.read_text())  # another process's choices stay
+                kept = kept if isinstance(kept, dict) else {}
+            except (OSError, ValueError):
+                kept = {}
+            try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(self._choices, indent=0, sort_keys=True))
+                kept.update(self._choices)
+                tmp.write_text(json.dumps(kept, indent=0, sort_keys=True))
                 os.replace(tmp, path)
             except OSError:
                 pass  # a read-only cache: the choice holds for this process
@@ -284,7 +324,12 @@ class AttentionBackendChoice:
         """Reorders the entering call of each timed site in place; returns how many sites were
         moved to each backend. ``gains`` gets, for each moved site timed in this process, how
         many times faster than ComfyUI's first choice it ran alone."""
-        found = [s for s in sites(gm) if self.force or s.device.type == "cuda"]
+        found = [
+            s
+            for s in sites(gm)
+            if (self.force or s.device.type == "cuda")
+            and (self.first_in is None or s.backends[0] in self.first_in)
+        ]
         if not found:
             return {}
         path = self.cache_file()

@@ -67,12 +67,13 @@ DYNAMIC_ENV = "CNA_COMPILE_DYNAMIC"
 # Opt-in (CNA_COMPILE_GROUP_NORM=1): options_for leaves it out unless it is on.
 GRAPH_PASSES = (GroupNormRewrite(),)
 # Each attention on the SDPA backend measured fastest for its shapes, the choices kept beside
-# the compile cache (kernels/attention_choice.py). Opt-in (CNA_COMPILE_ATTENTION=fastest):
-# options_for adds it only then.
+# the compile cache (kernels/attention_choice.py). CNA_COMPILE_ATTENTION: by default (auto) for
+# the attentions ComfyUI would run on flash attention first; fastest: every attention; off: none.
 ATTENTION_FILE = "attention_backends.json"
 ATTENTION_CHOICE = attention_choice.AttentionBackendChoice(
     cache_file=lambda: compile_cache_dir() / ATTENTION_FILE
 )
+ATTENTION_CHOICE_AUTO = ATTENTION_CHOICE.only_first(attention_choice.AUTO_FROM)
 # The node's choices. max-autotune tries several kernels per GEMM/conv on the first compile of a
 # shape (longer compile, sometimes faster steps); inductor's own CUDA graphs stay off in both.
 CHOICES: dict[str, CompileOptions | None] = {
@@ -97,17 +98,22 @@ def options_for(choice: str) -> CompileOptions | None:
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
     nothing is generated). Unless ``CNA_COMPILE_GROUP_NORM=1`` turns it on, the GroupNorm rewrite
     is left out of the settings, so code compiled with it is not reused without it (and the
-    other way). ``CNA_COMPILE_ATTENTION=fastest`` adds the attention-backend choice the same
-    way. ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all
-    sizes) instead of static ones (one per size)."""
+    other way). ``CNA_COMPILE_ATTENTION`` adds the attention-backend choice for its mode (by
+    default for the attentions ComfyUI runs on flash attention first) the same way.
+    ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
+    of static ones (one per size)."""
     base = CHOICES[choice]
     if base is None:
         return None
     if not fx_rewrites.enabled():
         passes = tuple(p for p in base.graph_passes if not isinstance(p, GroupNormRewrite))
         base = dataclasses.replace(base, graph_passes=passes)
-    if attention_choice.enabled():
-        base = dataclasses.replace(base, graph_passes=(*base.graph_passes, ATTENTION_CHOICE))
+    attention = {
+        attention_choice.ON: ATTENTION_CHOICE,
+        attention_choice.AUTO: ATTENTION_CHOICE_AUTO,
+    }.get(attention_choice.mode())
+    if attention is not None:
+        base = dataclasses.replace(base, graph_passes=(*base.graph_passes, attention))
     if os.environ.get(DYNAMIC_ENV, "0").strip() == "1":
         base = dataclasses.replace(base, dynamic="dynamic")
     backend = os.environ.get(BACKEND_ENV)

@@ -85,15 +85,19 @@ def test_group_norm_switch_gives_other_settings(monkeypatch):
 def test_attention_choice_switch_gives_other_settings(monkeypatch):
     from comfyui_controlnet_accelerator.kernels import attention_choice
 
-    monkeypatch.delenv(attention_choice.ENV, raising=False)
+    monkeypatch.setenv(attention_choice.ENV, "off")
     off = cs.options_for("inductor")
-    assert cs.ATTENTION_CHOICE not in off.graph_passes
+    assert not any(isinstance(p, attention_choice.AttentionBackendChoice) for p in off.graph_passes)
+    monkeypatch.delenv(attention_choice.ENV)  # the default: flash-first attentions only
+    auto = cs.options_for("inductor")
+    assert auto.graph_passes[-1] is cs.ATTENTION_CHOICE_AUTO
+    assert cs.ATTENTION_CHOICE_AUTO.first_in == ("FLASH_ATTENTION",)
     monkeypatch.setenv(attention_choice.ENV, "fastest")
     on = cs.options_for("inductor max-autotune")
     assert on.graph_passes[-1] is cs.ATTENTION_CHOICE and on.mode == "max-autotune-no-cudagraphs"
-    assert cs.options_for("inductor") != off and cs.options_for("inductor") == cs.options_for(
-        "inductor"
-    )
+    assert on.graph_passes[-1].first_in is None
+    every = cs.options_for("inductor")
+    assert len({off, auto, every}) == 3 and every == cs.options_for("inductor")
     path = cs.ATTENTION_CHOICE.cache_file()
     assert path.name == cs.ATTENTION_FILE and path.parent == cs.compile_cache_dir()
 
@@ -132,7 +136,7 @@ def test_an_adopted_torch_compile_model_gets_the_pack_s_compile_switches(allocat
     monkeypatch.setenv(attention_choice.ENV, "fastest")
     run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))
     assert run.options.graph_passes == (cs.ATTENTION_CHOICE,), run.options.graph_passes
-    monkeypatch.delenv(attention_choice.ENV)
+    monkeypatch.setenv(attention_choice.ENV, "off")
     monkeypatch.setenv(cs.DYNAMIC_ENV, "1")
     run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))  # its dynamic: None
     assert run.options.graph_passes == () and run.options.dynamic == "dynamic"

@@ -19,6 +19,7 @@ NEWER = {
         "graph_compiled_gn_kernel",
         "graph_compiled_dynamic",
         "graph_compiled_attention",
+        "graph_compiled_comfy_attention",
         "graph_compiled_autotune",
     )
 }

@@ -196,12 +196,13 @@ def test_group_norms_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
 def test_attentions_of_comfyuis_networks_run_the_backend_measured_fastest(
     host, native, tiny_models, monkeypatch
 ):
-    """The attention-backend choice (``CNA_COMPILE_ATTENTION=fastest``) on ComfyUI's own UNet
-    and ControlNet. ComfyUI runs attention on NVIDIA GPUs inside ``sdpa_kernel(priority,
+    """The attention-backend choice, as it runs by default, on ComfyUI's own UNet and
+    ControlNet. ComfyUI runs attention on NVIDIA GPUs inside ``sdpa_kernel(priority,
     set_priority=True)``; on the CPU it does not, so the test puts that wrapper (with 0.33's
-    priority) in ComfyUI's place. The pass finds every attention of both traced graphs, moves
-    each to the backend its timer says is fastest (cuDNN here; on a GPU the real timer and
-    ComfyUI's own wrapper run), and the run still matches stock."""
+    flash-first priority) in ComfyUI's place. The pass finds every attention of both traced
+    graphs, moves each to the backend its timer says is fastest (cuDNN here; on a GPU the real
+    timer and ComfyUI's own wrapper run, and on 0.3.64's cuDNN-first order nothing moves), and
+    the run still matches stock."""
     import dataclasses
 
     import comfy.ops
@@ -236,8 +237,9 @@ def test_attentions_of_comfyuis_networks_run_the_backend_measured_fastest(
             seen.append((found, self.rewrite(gm)))
             return None
 
-    monkeypatch.setattr(step, "ATTENTION_CHOICE", Counting(timer=timer, force=host.cpu))
-    monkeypatch.setenv(ac.ENV, "fastest")
+    counting = Counting(timer=timer, force=host.cpu).only_first(ac.AUTO_FROM)
+    monkeypatch.setattr(step, "ATTENTION_CHOICE_AUTO", counting)
+    monkeypatch.delenv(ac.ENV, raising=False)  # the default: flash-first attentions
     _compiled_run_matches_stock(host, 23)
     assert len(seen) >= 2 and all(found >= 2 for found, _ in seen), seen  # UNet, ControlNet
     if host.cpu:

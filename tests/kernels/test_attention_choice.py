@@ -180,25 +180,71 @@ def test_attention_outside_a_block_or_with_a_mask_or_on_the_cpu_is_left_alone():
     assert not unused.calls
 
 
-def test_off_unless_asked_for(monkeypatch, caplog):
+def test_the_setting_is_auto_unless_asked_otherwise(monkeypatch, caplog):
     import logging
 
     monkeypatch.setattr(ac, "_WARNED", set())
     monkeypatch.delenv(ac.ENV, raising=False)
-    assert not ac.enabled()
-    monkeypatch.setenv(ac.ENV, " Fastest ")
-    assert ac.enabled()
-    for off in ("0", "off"):
-        monkeypatch.setenv(ac.ENV, off)
-        assert not ac.enabled()
+    assert ac.mode() == ac.AUTO
+    for value, want in (("", ac.AUTO), (" Auto", ac.AUTO), (" Fastest ", ac.ON), ("0", ac.OFF)):
+        monkeypatch.setenv(ac.ENV, value)
+        assert ac.mode() == want, value
+    monkeypatch.setenv(ac.ENV, "OFF")
+    assert ac.mode() == ac.OFF
     assert not caplog.records
-    # a value that is not a setting: off, and said once, with the variable and the fix
+    # a value that is not a setting: the default, said once, with the variable and the settings
     monkeypatch.setenv(ac.ENV, "cudnn")
     with caplog.at_level(logging.WARNING):
-        assert not ac.enabled() and not ac.enabled()
+        assert ac.mode() == ac.AUTO and ac.mode() == ac.AUTO
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "CNA_COMPILE_ATTENTION='cudnn'" in said[0], said
-    assert "CNA_COMPILE_ATTENTION=fastest" in said[0]
+    assert all(v in said[0] for v in ("auto", "fastest", "off")), said
+
+
+def test_auto_times_only_the_attentions_comfyui_runs_on_flash_first():
+    """ComfyUI 0.3.64 puts cuDNN first, 0.33 flash: the choice restricted to flash-first
+    attentions leaves a cuDNN-first block as it is and moves the other; it shares the full
+    choice's memory and is a setting of its own (compiled code is kept apart)."""
+    cudnn_first = [COMFY_033[1], COMFY_033[0], *COMFY_033[2:]]
+
+    def mixed(x, ctx):
+        b, n, c = x.shape
+        q = x.view(b, n, 2, c // 2).transpose(1, 2)
+        with sdpa_kernel(cudnn_first, set_priority=True):
+            a = F.scaled_dot_product_attention(q, q, q)
+        k = ctx.view(b, -1, 2, c // 2).transpose(1, 2)
+        with sdpa_kernel(COMFY_033, set_priority=True):
+            return F.scaled_dot_product_attention(a, k, k)
+
+    x, ctx = _inputs()
+    gm = _traced(mixed, x, ctx)
+    before = _orders(gm)
+    timer = Timer({"FLASH_ATTENTION": 1.0, "CUDNN_ATTENTION": 2.0, "EFFICIENT_ATTENTION": 0.5})
+    every = ac.AttentionBackendChoice(timer=timer, force=True)
+    auto = every.only_first(ac.AUTO_FROM)
+    assert auto != every and hash(auto) != hash(every) and auto == every.only_first(ac.AUTO_FROM)
+    said = auto(gm)
+    assert said.startswith("attention moved to the backend measured fastest: 1 on efficient")
+    after = _orders(gm)
+    assert after[0] == before[0] == [b.name for b in cudnn_first]  # cuDNN first: untimed
+    assert after[2][0] == "EFFICIENT_ATTENTION" and after[1] == before[1]
+    assert {site for site, _ in timer.calls} == {ac.sites(_traced(mixed, x, ctx))[1].inputs}
+    # the full choice knows the flash-first site already and times only the other
+    n = len(timer.calls)
+    every(_traced(mixed, x, ctx))
+    assert len(timer.calls) > n
+    assert all(site == ac.sites(_traced(mixed, x, ctx))[0].inputs for site, _ in timer.calls[n:])
+
+
+def test_a_file_keeps_what_other_processes_chose(tmp_path):
+    path = tmp_path / "attention_backends.json"
+    path.write_text(json.dumps({"another process's site": "CUDNN_ATTENTION"}))
+    fast = Timer({"FLASH_ATTENTION": 1.0, "CUDNN_ATTENTION": 0.5})
+    ac.AttentionBackendChoice(cache_file=lambda: path, timer=fast, force=True)(
+        _traced(_attention, *_inputs())
+    )
+    kept = json.loads(path.read_text())
+    assert kept["another process's site"] == "CUDNN_ATTENTION" and len(kept) == 3
 
 
 @pytest.mark.cuda
