@@ -275,6 +275,44 @@ def test_cuda_times_real_backends_and_keeps_the_result():
     assert (got - ref).norm() / ref.norm() < 1e-2, ms
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_auto_times_only_flash_first_attentions():
+    """On a GPU, the default setting: of an SD1.5-shaped attention in a cuDNN-first block
+    (ComfyUI 0.3.64) and one in a flash-first block (0.33), only the second is timed and may
+    move; the rewritten graph matches eager attention within fp16 rounding."""
+    cudnn_first = [COMFY_033[1], COMFY_033[0], *COMFY_033[2:]]
+
+    def both(x, ctx):
+        b, n, c = x.shape
+        q = x.view(b, n, 8, c // 8).transpose(1, 2)
+        with sdpa_kernel(cudnn_first, set_priority=True):
+            a = F.scaled_dot_product_attention(q, q, q)
+        k = ctx.view(b, -1, 8, c // 8).transpose(1, 2)
+        with sdpa_kernel(COMFY_033, set_priority=True):
+            o = F.scaled_dot_product_attention(a, k, k)
+        return o.transpose(1, 2).reshape(b, n, c)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 4096, 320, device="cuda", dtype=torch.float16, generator=g)
+    ctx = torch.randn(2, 77, 320, device="cuda", dtype=torch.float16, generator=g)
+    gm = _traced(both, x, ctx)
+    timed = []
+
+    def timer(site, backend):
+        timed.append(site.inputs)
+        return ac.time_backend(site, backend)
+
+    auto = ac.AttentionBackendChoice(timer=timer).only_first(ac.AUTO_FROM)
+    auto(gm)
+    first, second = ac.sites(_traced(both, x, ctx))
+    assert timed and set(timed) == {second.inputs}
+    assert _orders(gm)[0] == [b.name for b in cudnn_first]
+    ref = both(x, ctx).float()
+    got = gm(x, ctx)[0].float()
+    assert (got - ref).norm() / ref.norm() < 1e-2
+
+
 def test_chosen_inside_a_real_compile(tmp_path):
     """The pass as compiled mode runs it: inside a torch.compile of the pack's CompiledModule,
     the real timer making and running real tensors during the compile. On the CPU only flash
