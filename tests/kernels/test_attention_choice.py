@@ -22,6 +22,26 @@ COMFY_033 = [  # ComfyUI 0.33's order; 0.3.64 puts cuDNN first
 ]
 
 
+COMFY_0364 = [COMFY_033[1], COMFY_033[0], *COMFY_033[2:]]  # cuDNN first
+
+
+def _cudnn_then_flash(heads: int):
+    """A self-attention in a cuDNN-first block (0.3.64's order), then a cross-attention in a
+    flash-first one (0.33's), with ``heads`` heads."""
+
+    def both(x, ctx):
+        b, n, c = x.shape
+        q = x.view(b, n, heads, c // heads).transpose(1, 2)
+        with sdpa_kernel(COMFY_0364, set_priority=True):
+            a = F.scaled_dot_product_attention(q, q, q)
+        k = ctx.view(b, -1, heads, c // heads).transpose(1, 2)
+        with sdpa_kernel(COMFY_033, set_priority=True):
+            o = F.scaled_dot_product_attention(a, k, k)
+        return o.transpose(1, 2).reshape(b, n, c)
+
+    return both
+
+
 def _attention(x, ctx):
     """Two attentions the way ComfyUI runs them on NVIDIA GPUs (self, then cross), with an
     op between them."""
@@ -205,17 +225,7 @@ def test_auto_times_only_the_attentions_comfyui_runs_on_flash_first():
     """ComfyUI 0.3.64 puts cuDNN first, 0.33 flash: the choice restricted to flash-first
     attentions leaves a cuDNN-first block as it is and moves the other; it shares the full
     choice's memory and is a setting of its own (compiled code is kept apart)."""
-    cudnn_first = [COMFY_033[1], COMFY_033[0], *COMFY_033[2:]]
-
-    def mixed(x, ctx):
-        b, n, c = x.shape
-        q = x.view(b, n, 2, c // 2).transpose(1, 2)
-        with sdpa_kernel(cudnn_first, set_priority=True):
-            a = F.scaled_dot_product_attention(q, q, q)
-        k = ctx.view(b, -1, 2, c // 2).transpose(1, 2)
-        with sdpa_kernel(COMFY_033, set_priority=True):
-            return F.scaled_dot_product_attention(a, k, k)
-
+    mixed = _cudnn_then_flash(heads=2)
     x, ctx = _inputs()
     gm = _traced(mixed, x, ctx)
     before = _orders(gm)
@@ -226,7 +236,7 @@ def test_auto_times_only_the_attentions_comfyui_runs_on_flash_first():
     said = auto(gm)
     assert said.startswith("attention moved to the backend measured fastest: 1 on efficient")
     after = _orders(gm)
-    assert after[0] == before[0] == [b.name for b in cudnn_first]  # cuDNN first: untimed
+    assert after[0] == before[0] == [b.name for b in COMFY_0364]  # cuDNN first: untimed
     assert after[2][0] == "EFFICIENT_ATTENTION" and after[1] == before[1]
     assert {site for site, _ in timer.calls} == {ac.sites(_traced(mixed, x, ctx))[1].inputs}
     # the full choice knows the flash-first site already and times only the other
@@ -281,18 +291,7 @@ def test_cuda_auto_times_only_flash_first_attentions():
     """On a GPU, the default setting: of an SD1.5-shaped attention in a cuDNN-first block
     (ComfyUI 0.3.64) and one in a flash-first block (0.33), only the second is timed and may
     move; the rewritten graph matches eager attention within fp16 rounding."""
-    cudnn_first = [COMFY_033[1], COMFY_033[0], *COMFY_033[2:]]
-
-    def both(x, ctx):
-        b, n, c = x.shape
-        q = x.view(b, n, 8, c // 8).transpose(1, 2)
-        with sdpa_kernel(cudnn_first, set_priority=True):
-            a = F.scaled_dot_product_attention(q, q, q)
-        k = ctx.view(b, -1, 8, c // 8).transpose(1, 2)
-        with sdpa_kernel(COMFY_033, set_priority=True):
-            o = F.scaled_dot_product_attention(a, k, k)
-        return o.transpose(1, 2).reshape(b, n, c)
-
+    both = _cudnn_then_flash(heads=8)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(2, 4096, 320, device="cuda", dtype=torch.float16, generator=g)
     ctx = torch.randn(2, 77, 320, device="cuda", dtype=torch.float16, generator=g)
@@ -307,7 +306,7 @@ def test_cuda_auto_times_only_flash_first_attentions():
     auto(gm)
     first, second = ac.sites(_traced(both, x, ctx))
     assert timed and set(timed) == {second.inputs}
-    assert _orders(gm)[0] == [b.name for b in cudnn_first]
+    assert _orders(gm)[0] == [b.name for b in COMFY_0364]
     ref = both(x, ctx).float()
     got = gm(x, ctx)[0].float()
     assert (got - ref).norm() / ref.norm() < 1e-2
