@@ -327,6 +327,26 @@ def unavailable_reason(device: torch.device, backend: str = "inductor") -> str |
     return None
 
 
+def start_compile_workers(device: torch.device, backend: str = "inductor") -> bool:
+    """Start inductor's pool of compile workers now, before dynamo traces, for a compile on
+    ``device``; returns whether it was asked to start. ``torch.compile``'s own inductor backend
+    starts the pool when dynamo hands it a graph; the pack calls inductor's ``compile_fx``
+    itself, which does not, so the pool would first be asked for by the first generated kernel
+    and, until it is ready, inductor compiles the kernels one at a time in this process.
+    Only CUDA compiles use the pool (Triton kernels); idempotent, and any failure here leaves
+    inductor to start the pool as it would anyway."""
+    if backend != "inductor" or device.type != "cuda":
+        return False
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+
+        maybe_warm_pool()
+    except Exception as e:
+        logger.debug("compile workers not started ahead: %s", e)
+        return False
+    return True
+
+
 # -- signatures -----------------------------------------------------------------------------------
 
 
@@ -618,6 +638,7 @@ class CompiledModule:
                 cache = enable_persistent_cache(self.options.cache_dir)
             except Exception as e:  # an unwritable folder: compile anyway, not persisted
                 self._log_once(f"cache: {_first_line(e)}", "compile cache folder unusable: %s", e)
+        start_compile_workers(device, self.options.backend)  # they start while dynamo traces
         self._serial += 1
         tag = re.sub(r"\W", "_", f"cna_{self.name}_{self._serial}")
         forward = _forward_for(self._ref, tag, self.method)

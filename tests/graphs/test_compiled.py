@@ -490,6 +490,39 @@ def test_the_compile_log_splits_the_backends_time_from_the_rest(caplog):
     assert backend >= 0.3 and abs(total - backend - rest) <= 0.11
 
 
+def test_compile_workers_are_started_before_dynamo_traces(monkeypatch):
+    events = []
+    monkeypatch.setattr(
+        C, "start_compile_workers", lambda device, backend: events.append(("workers", device.type))
+    )
+    lin = nn.Linear(4, 4).requires_grad_(False)
+    cm = C.CompiledModule(
+        lin, "UNet", C.CompileOptions(backend="eager"), on_progress=lambda e: events.append(e.phase)
+    )
+    with torch.inference_mode():
+        cm(torch.randn(2, 4))
+        cm(torch.randn(2, 4))  # compiled already: nothing to start
+    assert events == [("workers", "cpu"), "start", "lowering", "lowered", "done"]
+
+
+def test_compile_workers_start_only_for_inductor_on_cuda(monkeypatch):
+    import torch._inductor.async_compile as async_compile
+
+    calls = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append(1))
+    assert not C.start_compile_workers(torch.device("cpu"))
+    assert not C.start_compile_workers(torch.device("cuda", 0), "aot_eager")
+    assert calls == []
+    assert C.start_compile_workers(torch.device("cuda", 0))
+    assert calls == [1]
+
+    def broken():
+        raise RuntimeError("no worker pool here")
+
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", broken)
+    assert not C.start_compile_workers(torch.device("cuda", 0))  # inductor starts it later
+
+
 def test_a_max_autotune_compile_says_up_front_that_it_takes_many_minutes(caplog):
     lin = nn.Linear(4, 4).requires_grad_(False)
     for mode, said in (("max-autotune-no-cudagraphs", True), ("default", False)):
