@@ -432,13 +432,16 @@ def run_workload(
     decode: bool = False,
     cold_memory: bool = False,
     peers: tuple[str, ...] = (),
+    compile_phases: bool = False,
 ) -> list[Row]:
     """Stock ComfyUI, each variant and each peer (``peers``: diffusers with these compile
-    modes, ``--peers``) on one workload, interleaved round by round in this process."""
+    modes, ``--peers``) on one workload, interleaved round by round in this process.
+    ``compile_phases``: each first run's compile time by phase (``compile_phases.py``)."""
     import folder_paths
     import torch
 
     from . import badges, random_models, runner, workflows
+    from . import compile_phases as cp
 
     wl = workflows.WORKLOADS[wid]
     if steps is not None:
@@ -488,12 +491,16 @@ def run_workload(
             seen[key] = v
     first: dict[str, float] = {}
     first_compile: dict[str, dict] = {}  # compiled mode's compiles in the first run
+    phases: dict[str, dict] = {}  # --compile-phases: torch's compile timers, per first run
     for v in list(variants):
+        before = cp.snapshot() if compile_phases else None
         try:
             res = run(v, 1001)
         except runner.WorkflowFailed as e:
             _not_run(wid, v, f"failed: {e}", variants, prog)
             continue
+        if before is not None:
+            phases[v] = cp.delta(before, cp.snapshot())
         first[v] = res.wall_s
         comp = badges.summed(res, "cuda_graph", COMPILE_KEYS, sub="compiled")
         said = ""
@@ -617,6 +624,8 @@ def run_workload(
             row.extra["op_profile"] = op_prof[v]
         if v in first_compile:
             row.extra["first_run_compile"] = first_compile[v]
+        if phases.get(v, {}).get("times"):
+            row.extra["compile_phases"] = phases[v]
         if v in cold:
             row.extra["cold_peak_allocated_mib"] = cold[v].peak_allocated / MiB
             row.extra["cold_peak_reserved_mib"] = cold[v].peak_reserved / MiB
@@ -1030,6 +1039,12 @@ def _quick_arguments(ap) -> None:
         help=f"the peers' torch.compile modes (default {','.join(PEER_MODES)}; 'eager' for none)",
     )
     ap.add_argument(
+        "--compile-phases",
+        action="store_true",
+        help="also report where each first run's compiles spent their time, by phase "
+        "(torch's own timers: tracing, guards, lowering, kernel generation, cache reads, ...)",
+    )
+    ap.add_argument(
         "--native-allocator",
         action="store_true",
         help="keep PyTorch's native allocator instead of ComfyUI's cudaMallocAsync default",
@@ -1130,6 +1145,7 @@ def main(argv: list[str] | None = None) -> int:
                 decode=a.decode,
                 cold_memory=cold_memory,
                 peers=peer_modes,
+                compile_phases=a.compile_phases,
             )
         )
         partial = {
@@ -1143,6 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"quick-{stamp}.json").write_text(json.dumps(partial, indent=1))
     prog.close()
     text = ran + "\n\n" + table(rows, wl_info) + cold_table(rows, wl_info)
+    if a.compile_phases:
+        text += phases_text(rows)
     if prog.not_run:
         text += "\n\nNot run:\n" + "\n".join(
             f"- {n['workload']} {n['variant']}: {n['why'][:300]}" for n in prog.not_run
@@ -1163,6 +1181,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"non-finite latents in {bad}", file=sys.stderr)
         return 1
     return 0
+
+
+def phases_text(rows: list[Row]) -> str:
+    """``--compile-phases``: per workload, the first runs' compile time by phase."""
+    from . import compile_phases as cp
+
+    out = ""
+    for wid in dict.fromkeys(r.workload for r in rows):
+        got = {
+            r.variant: r.extra["compile_phases"]
+            for r in rows
+            if r.workload == wid and "compile_phases" in r.extra
+        }
+        body = cp.text(got)
+        out += f"\n\n{wid}: " + (body or "no compile in any first run")
+    return out
 
 
 def what_ran(cpu: bool, wl_info: dict, variants: list[str], rounds: int, defaults: bool) -> str:

@@ -233,3 +233,48 @@ def test_a_reused_graph_node_is_labelled_passed_through_only_if_it_handed_its_in
     assert not _graph_node_passed_model_on(_Outputs({"4": [model], "9": [wrapped]}), prompt, ids)
     assert not _graph_node_passed_model_on(_Outputs({"4": [model]}), prompt, ids)  # never ran
     assert not _graph_node_passed_model_on(_Outputs({"9": [model]}), prompt, {})  # no such node
+
+
+def test_compile_phases_count_what_a_compile_did_between_two_snapshots():
+    import torch
+    from comfyui_controlnet_accelerator.harness import compile_phases as cp
+
+    def f(x):
+        return torch.sin(x) * 2 + 1
+
+    x = torch.randn(8)
+    before = cp.snapshot()
+    torch.compile(f, backend="eager")(x)  # dynamo traces; nothing is generated
+    after = cp.snapshot()
+    got = cp.delta(before, after)
+    assert got["times"]["bytecode_tracing"] > 0, got
+    assert got["times"]["_compile.compile_inner"] >= got["times"]["bytecode_tracing"]
+    assert got["counters"].get("stats.unique_graphs", 0) >= 1, got
+    assert cp.delta(after, cp.snapshot()) == {"times": {}, "counters": {}}  # nothing since
+
+
+def test_compile_phases_table_has_a_column_per_variant_that_compiled():
+    from comfyui_controlnet_accelerator.harness import compile_phases as cp
+    from comfyui_controlnet_accelerator.harness.quick import Row, phases_text
+
+    a = {
+        "times": {"_compile.compile_inner": 61.2, "Scheduler.codegen": 19.3},
+        "counters": {"inductor.fxgraph_cache_miss": 2},
+    }
+    b = {"times": {"_compile.compile_inner": 12.0}, "counters": {"inductor.fxgraph_cache_hit": 2}}
+    text = cp.text({"graph_compiled": a, "restart": b, "stock": {"times": {}, "counters": {}}})
+    lines = text.splitlines()
+    assert lines[2] == "| phase | graph_compiled | restart |"
+    assert "| inductor generating kernels (`Scheduler.codegen`) | 19.3 | — |" in lines
+    assert "| fxgraph_cache_hit | 0 | 2 |" in lines and "| fxgraph_cache_miss | 2 | 0 |" in lines
+    assert not any("dynamo tracing" in ln for ln in lines)  # a phase nobody timed: no row
+    assert cp.text({"stock": {"times": {}, "counters": {}}}) == ""
+
+    def row(wid, v, phases=None):
+        r = Row(wid, v, 1.0, 1.0, 1.0, 1.0, [1.0], 1.0, 1.0, 0.0, None)
+        if phases is not None:
+            r.extra["compile_phases"] = phases
+        return r
+
+    out = phases_text([row("W1", "stock"), row("W1", "graph_compiled", a), row("W0", "stock")])
+    assert "W1: Compile phases" in out and "W0: no compile in any first run" in out
