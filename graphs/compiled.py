@@ -121,6 +121,7 @@ class CompileOptions:
     backend: str = "inductor"
     inductor_options: tuple[tuple[str, object], ...] = ()
     graph_passes: tuple[Callable[[torch.fx.GraphModule], str | None], ...] = ()
+    dedupe_regions: bool = False
 
     def __post_init__(self):
         for field, value, allowed in (
@@ -348,6 +349,45 @@ def start_compile_workers(device: torch.device, backend: str = "inductor") -> bo
 
 
 # -- signatures -----------------------------------------------------------------------------------
+
+
+def dedupe_available() -> bool:
+    """Whether this torch's dynamo can replace repeated regions by one subgraph."""
+    return hasattr(torch._dynamo.config, "use_graph_deduplication")
+
+
+def _dynamo_settings(options: CompileOptions):
+    """Dynamo's settings for one trace (the first call of a signature): region deduplication
+    when ``options`` asks for it and this torch has it (else one log line, and whole graphs)."""
+    if not options.dedupe_regions:
+        return contextlib.nullcontext()
+    if not dedupe_available():
+        _log_once_global(
+            "dedupe",
+            "compiled mode: this torch cannot compile repeated regions once (no "
+            "torch._dynamo.config.use_graph_deduplication); each is compiled where it occurs",
+        )
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(use_graph_deduplication=True)
+
+
+def graphs_of(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
+    """``gm`` and every region graph inside it (the subgraphs dynamo's deduplication calls),
+    each with where it is, for the log ("" for ``gm`` itself)."""
+    out = [("", gm)]
+    for name, sub in gm.named_modules():
+        if name and isinstance(sub, torch.fx.GraphModule):
+            out.append((f", region {name}", sub))
+    return out
+
+
+_SAID: set = set()
+
+
+def _log_once_global(key: str, msg: str) -> None:
+    if key not in _SAID:
+        _SAID.add(key)
+        logger.info(msg)
 
 
 def signature(args: tuple, kwargs: dict, dynamic: str = "static") -> Hashable:
@@ -664,7 +704,8 @@ class CompiledModule:
         self._current = (label, t0)
         self._progress("start", label, 0.0, 0)
         try:
-            out = fn(*args, **kwargs)
+            with _dynamo_settings(self.options):
+                out = fn(*args, **kwargs)
         except Exception as e:
             return self._fail(
                 key, f"compile failed: {_first_line(e)}", target, args, kwargs, label=label, t0=t0
@@ -719,9 +760,12 @@ class CompiledModule:
         started = time.perf_counter()
         self._progress("lowering", label, started - t0, self.graphs)
         for graph_pass in self.options.graph_passes:
-            said = graph_pass(gm)
-            if said:
-                logger.info("%s: %s, graph %d: %s", self.name, label, self.graphs, said)
+            for where, graph in graphs_of(gm):
+                said = graph_pass(graph)
+                if said:
+                    logger.info(
+                        "%s: %s, graph %d%s: %s", self.name, label, self.graphs, where, said
+                    )
         if self.options.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
@@ -885,6 +929,7 @@ def options_from_torch_compile(
         backend=backend,
         inductor_options=tuple(sorted(extra.items())),
         graph_passes=base.graph_passes,
+        dedupe_regions=base.dedupe_regions,
     )
     return opts, notes
 

@@ -61,6 +61,10 @@ BACKEND_ENV = "CNA_COMPILE_BACKEND"  # inductor (default); aot_eager traces with
 # 1: one compile for every image size and batch (symbolic sizes) instead of one per size, the
 # kernels then not specialised to a size. Opt-in, to measure the trade (docs/benchmarks.md).
 DYNAMIC_ENV = "CNA_COMPILE_DYNAMIC"
+# 1: each repeated region of the UNet and the ControlNets (blocks of one width and size) is
+# compiled once and called where it recurs (graphs.compiled.CompileOptions.dedupe_regions), to
+# shorten the first compile. Opt-in, to measure what it costs the step (docs/benchmarks.md).
+DEDUPE_ENV = "CNA_COMPILE_DEDUP"
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
 # runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.
@@ -101,7 +105,7 @@ def options_for(choice: str) -> CompileOptions | None:
     other way). ``CNA_COMPILE_ATTENTION`` adds the attention-backend choice for its mode (by
     default for the attentions ComfyUI runs on flash attention first) the same way.
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
-    of static ones (one per size)."""
+    of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once."""
     base = CHOICES[choice]
     if base is None:
         return None
@@ -116,6 +120,8 @@ def options_for(choice: str) -> CompileOptions | None:
         base = dataclasses.replace(base, graph_passes=(*base.graph_passes, attention))
     if os.environ.get(DYNAMIC_ENV, "0").strip() == "1":
         base = dataclasses.replace(base, dynamic="dynamic")
+    if os.environ.get(DEDUPE_ENV, "0").strip() == "1":
+        base = dataclasses.replace(base, dedupe_regions=True)
     backend = os.environ.get(BACKEND_ENV)
     if backend:
         base = dataclasses.replace(base, backend=backend)  # CompileOptions validates it

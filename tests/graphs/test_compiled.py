@@ -490,6 +490,76 @@ def test_the_compile_log_splits_the_backends_time_from_the_rest(caplog):
     assert backend >= 0.3 and abs(total - backend - rest) <= 0.11
 
 
+class Repeated(nn.Module):
+    """Four blocks of one width and size after a stem: four repeats of one region."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(4, 32, 3, padding=1)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+
+    def forward(self, x, emb, context):
+        x = self.stem(x)
+        for b in self.blocks:
+            x = b(x, emb, context)
+        return x
+
+
+def _regions_seen(dedupe: bool, backend: str = "eager", cache_dir=None):
+    """Compile ``Repeated`` with or without region dedupe; returns (output, eager output, calls
+    of a region in the top graph, the graphs the pass was handed)."""
+    torch.manual_seed(0)
+    net = Repeated().eval().requires_grad_(False)
+    args = (torch.randn(2, 4, 8, 8), torch.randn(2, 32), torch.randn(2, 5, 24))
+    seen = []
+
+    def count(gm):
+        seen.append(gm)
+
+    opts = C.CompileOptions(
+        backend=backend,
+        dedupe_regions=dedupe,
+        graph_passes=(count,),
+        cache_dir=None if cache_dir is None else str(cache_dir),
+    )
+    cm = C.CompiledModule(net, "UNet", opts)
+    with torch.inference_mode():
+        want = net(*args)
+        got = cm(*args)
+    calls = [n for n in seen[0].graph.nodes if "invoke_subgraph" in str(n.target)]
+    return got, want, len(calls), seen
+
+
+@pytest.mark.skipif(not C.dedupe_available(), reason="this torch has no region dedupe")
+def test_region_dedupe_calls_one_subgraph_for_the_repeated_blocks_and_passes_see_it():
+    got, want, calls, seen = _regions_seen(True)
+    assert calls == 4 and torch.equal(got, want)
+    regions = seen[1:]
+    assert len(regions) == 1  # one region graph, handed to each pass once
+    ops = [n for n in regions[0].graph.nodes if n.op == "call_function"]
+    assert any("scaled_dot_product_attention" in str(n.target) for n in ops)
+    got, want, calls, seen = _regions_seen(False)
+    assert calls == 0 and len(seen) == 1 and torch.equal(got, want)
+
+
+@pytest.mark.skipif(not C.dedupe_available(), reason="this torch has no region dedupe")
+def test_region_dedupe_with_inductor_matches_eager(cache_dir):
+    got, want, calls, _ = _regions_seen(True, backend="inductor", cache_dir=cache_dir)
+    assert calls == 4
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_without_region_dedupe_in_torch_one_line_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(C, "dedupe_available", lambda: False)
+    monkeypatch.setattr(C, "_SAID", set())
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        got, want, calls, _ = _regions_seen(True)
+        _regions_seen(True)
+    assert calls == 0 and torch.equal(got, want)
+    said = [r.getMessage() for r in caplog.records if "repeated regions" in r.getMessage()]
+    assert len(said) == 1
+
+
 def test_compile_workers_are_started_before_dynamo_traces(monkeypatch):
     events = []
     monkeypatch.setattr(

@@ -115,6 +115,17 @@ def test_dynamic_shapes_switch_gives_other_settings(monkeypatch):
     assert cs.options_for("off") is None
 
 
+def test_region_dedupe_switch_gives_other_settings(monkeypatch):
+    monkeypatch.delenv(cs.DEDUPE_ENV, raising=False)
+    whole = cs.options_for("inductor")
+    monkeypatch.setenv(cs.DEDUPE_ENV, "1")
+    regions = cs.options_for("inductor")
+    assert (whole.dedupe_regions, regions.dedupe_regions) == (False, True)
+    assert regions != whole and regions.graph_passes == whole.graph_passes
+    monkeypatch.setenv(cs.DEDUPE_ENV, "0")
+    assert cs.options_for("inductor") == whole
+
+
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
     allocator("native")
     opts = _tcm_options()
