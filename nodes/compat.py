@@ -26,6 +26,9 @@ What differs, and how each is handled:
   (``dynamic_layers``) is read at an address that stays valid only while ComfyUI's per-layer
   code keeps it faulted in; a graph replay skips that code. ``capture_blocker`` names the
   reason the pack's graphs run such a model eager.
+- **Sampling a different patcher.** ``rest_of_chain_on_copy`` runs the rest of an
+  OUTER_SAMPLE chain on a copy of the guider (``WrapperExecutor``, the same in both versions),
+  so the Memory Pool can sample its own clone without editing the guider.
 - **Memory management.** Unloading uses ``model_management.free_memory(..., keep_loaded=...)``
   (both versions) instead of editing ``current_loaded_models``: ``unload_models_of`` and
   ``unload_all_but``.
@@ -123,6 +126,30 @@ def set_wrapper(patcher, name: str, key: str, fn) -> bool:
     patcher.remove_wrappers_with_key(wt, key)
     patcher.add_wrapper_with_key(wt, key, fn)
     return True
+
+
+def rest_of_chain_on_copy(executor, **attrs):
+    """Run the rest of a class wrapper chain (the later wrappers, then the method) on a shallow
+    copy of ``executor.class_obj`` with ``attrs`` set, so that a wrapper can change what one
+    call of the method sees without touching the object (a guider can be another node's cached
+    output). Returns ``(copy, executor)``: call that executor as the one the wrapper was handed.
+    None when the chain cannot be moved (its method is not bound to the object): then the
+    caller keeps the object as it is."""
+    import copy
+
+    import comfy.patcher_extension as pe
+
+    obj = getattr(executor, "class_obj", None)
+    method = getattr(executor, "original", None)
+    func = getattr(method, "__func__", None)
+    if obj is None or func is None or getattr(method, "__self__", None) is not obj:
+        return None
+    twin = copy.copy(obj)
+    for name, value in attrs.items():
+        setattr(twin, name, value)
+    bound = func.__get__(twin, type(twin))
+    rest = pe.WrapperExecutor.new_class_executor(bound, twin, executor.wrappers, executor.idx)
+    return twin, rest
 
 
 _PREPARE_SAMPLING_NAMES = ("model", "noise_shape", "conds", "model_options")

@@ -365,13 +365,20 @@ class MemoryPoolPatch:
         guider = executor.class_obj
         patcher = getattr(guider, "model_patcher", None)
         run_patcher = self._run_patcher(patcher)
-        if run_patcher is not patcher:  # this run samples a clone; the node outputs stay as made
-            guider.model_patcher = run_patcher
-        try:
-            return self._outer_sample(executor, guider, run_patcher, *args, **kwargs)
-        finally:
-            if run_patcher is not patcher:
-                guider.model_patcher = patcher
+        if run_patcher is not patcher:
+            # This run samples a clone, through a copy of the guider: the guider may be another
+            # node's cached output (a CFGGuider node's) and stays as made.
+            moved = compat.rest_of_chain_on_copy(executor, model_patcher=run_patcher)
+            if moved is None:  # not on 0.3.64 or 0.33: a sampler that binds no guider method
+                raise NodeInputError(
+                    NODE,
+                    "model",
+                    "is patched by a LoRA after this node, on layers the pool stores in its own "
+                    "form, and this ComfyUI's sampler cannot sample the pool's copy without them",
+                    "Apply the LoRA before the ControlNet Memory Pool node",
+                )
+            guider, executor = moved
+        return self._outer_sample(executor, guider, run_patcher, *args, **kwargs)
 
     def _run_patcher(self, patcher):
         """What this run samples: ``patcher``, or (a later LoRA patches layers we replaced) its

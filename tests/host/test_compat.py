@@ -116,9 +116,30 @@ def test_memory_pool_outer_sample_passes_new_arguments_through(host, tiny_models
     assert ex.calls == [(("noise", "latent"), {"latent_shapes": [(1, 4, 8, 8)]})]
 
 
+class _Guider:
+    """A guider as ComfyUI's samplers use it: OUTER_SAMPLE wrappers run around its bound
+    ``outer_sample`` (``WrapperExecutor``), which reads ``self.model_patcher``."""
+
+    def __init__(self, patcher, during):
+        self.model_patcher, self.conds, self.during = patcher, {}, during
+
+    def outer_sample(self, *args, **kwargs):
+        self.inner_model = "set by the sampler"  # outer_sample writes on its guider
+        self.during(self)
+        return ("sampled", args, kwargs)
+
+    def sample(self, wrappers, *args, **kwargs):
+        import comfy.patcher_extension as pe
+
+        return pe.WrapperExecutor.new_class_executor(self.outer_sample, self, wrappers).execute(
+            *args, **kwargs
+        )
+
+
 def test_a_later_lora_is_handled_on_a_clone_never_on_the_lora_nodes_output(host, tiny_models):
-    """A LoRA applied after the pool: this run samples a clone without our patch on that layer;
-    the LoRA node's patcher (a cached output of another node) is left exactly as it was."""
+    """A LoRA applied after the pool: this run samples a clone without our patch on that layer,
+    through a copy of the guider; the LoRA node's patcher and the guider (both can be cached
+    outputs of other nodes) are left exactly as they were, during the run too."""
     mp = _pack(host).nodes.memory_pool
     model = _loaded(tiny_models)
     m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
@@ -127,29 +148,64 @@ def test_a_later_lora_is_handled_on_a_clone_never_on_the_lora_nodes_output(host,
     lora = m.clone()
     lora.add_patches({f"{name}.weight": (torch.full_like(w, 0.01),)}, 1.0)
     before = dict(lora.object_patches)
-    guider = type("Guider", (), {"model_patcher": lora, "conds": {}})()
-    seen = {}
+    sampled, seen, ran_on = [], [], []
 
-    sampled = []
-
-    def during():
-        p = guider.model_patcher
+    def during(g):
+        p = g.model_patcher
         sampled.append(p)
-        seen.update(clone=p is not lora, has=name in p.object_patches, n=len(p.object_patches))
+        ran_on.append(g)
+        seen.append(
+            dict(
+                copy=g is not guider,
+                guider_as_made=guider.model_patcher is lora and "inner_model" not in vars(guider),
+                clone=p is not lora,
+                has=name in p.object_patches,
+                n=len(p.object_patches),
+            )
+        )
 
     import comfy.patcher_extension as pe
 
+    guider = _Guider(lora, during)
+    state = dict(vars(guider))
     (wrapper,) = lora.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, mp.WRAPPER_KEY)
-    wrapper(_Executor(class_obj=guider, during=during))
-    assert seen == {"clone": True, "has": False, "n": len(before) - 1}
-    assert guider.model_patcher is lora and lora.object_patches == before
+    later = []  # a wrapper after the pool's sees the copy too, and passes arguments on
+
+    def after(executor, *args, **kwargs):
+        later.append(executor.class_obj)
+        return executor(*args, **kwargs)
+
+    out = guider.sample([wrapper, after], "noise", latent_shapes=[(1, 4, 8, 8)])
+    assert out == ("sampled", ("noise",), {"latent_shapes": [(1, 4, 8, 8)]})
+    want = {"copy": True, "guider_as_made": True, "clone": True, "has": False}
+    assert seen[0] == {**want, "n": len(before) - 1} and later[0] is not guider
+    assert vars(guider) == state and lora.object_patches == before
     # the same prompt again samples the same clone (ComfyUI keeps it loaded, no re-patching)
-    wrapper(_Executor(class_obj=guider, during=during))
+    guider.sample([wrapper], "noise")
     assert len(sampled) == 2 and sampled[0] is sampled[1]
-    # the pool's own output, with no later LoRA, is sampled as it is
-    guider.model_patcher = m
-    wrapper(_Executor(class_obj=guider, during=during))
-    assert sampled[-1] is m
+    # the pool's own output, with no later LoRA, is sampled as it is, on the guider itself
+    plain = _Guider(m, during)
+    plain.sample([wrapper], "noise")
+    assert sampled[-1] is m and ran_on[-1] is plain
+
+
+def test_a_later_lora_on_a_sampler_that_cannot_be_copied_is_a_clear_error(host, tiny_models):
+    mp = _pack(host).nodes.memory_pool
+    errors = _pack(host).errors
+    model = _loaded(tiny_models)
+    m, _ = mp.apply_memory_pool(model, None, mp.PoolOptions())
+    name = next(k for k, v in m.object_patches.items() if isinstance(v, mp.wc._Replaced))
+    lora = m.clone()
+    w = model.model.state_dict()[f"{name}.weight"]
+    lora.add_patches({f"{name}.weight": (torch.full_like(w, 0.01),)}, 1.0)
+    import comfy.patcher_extension as pe
+
+    (wrapper,) = lora.get_wrappers(pe.WrappersMP.OUTER_SAMPLE, mp.WRAPPER_KEY)
+    guider = type("Guider", (), {"model_patcher": lora, "conds": {}})()
+    ex = _Executor(class_obj=guider)  # no bound method to move onto a copy
+    with pytest.raises(errors.NodeInputError, match="before the ControlNet Memory Pool"):
+        wrapper(ex)
+    assert ex.calls == [] and guider.model_patcher is lora
 
 
 def test_unloading_goes_through_comfyuis_free_memory(host, tiny_models, monkeypatch):
