@@ -381,6 +381,47 @@ def graphs_of(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]
     return out
 
 
+# Regions with fewer operations than this are put back inline before inductor sees the graph:
+# dynamo also dedupes runs of two or three ops (an add, a cast), whose own kernels would only
+# stop fusion with their neighbours while saving next to no compile time.
+MIN_REGION_OPS = 8
+
+
+def _invoke_subgraph_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    hop = getattr(getattr(torch.ops, "higher_order", None), "invoke_subgraph", None)
+    if hop is None:
+        return []
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+
+
+def inline_small_regions(gm: torch.fx.GraphModule, min_ops: int = MIN_REGION_OPS) -> dict:
+    """Put the calls of regions with fewer than ``min_ops`` operations back inline in ``gm``;
+    returns what stays: ``{"regions": kept region graphs, "calls": their calls, "inlined":
+    calls put back}``. Where this torch has no inliner, every region stays."""
+    calls = _invoke_subgraph_nodes(gm)
+    size: dict[str, int] = {}
+    for node in calls:
+        name = str(node.args[0].target)
+        if name not in size:
+            sub = getattr(gm, name)
+            size[name] = sum(1 for n in sub.graph.nodes if n.op == "call_function")
+    small = [n for n in calls if size[str(n.args[0].target)] < min_ops]
+    if small:
+        try:
+            from torch._higher_order_ops.passes.inline_invoke_subgraph import (
+                inline_invoke_subgraph_nodes,
+            )
+        except ImportError:
+            small = []
+        else:
+            inline_invoke_subgraph_nodes(gm, small)
+            gm.delete_all_unused_submodules()
+            gm.graph.lint()
+            gm.recompile()
+    kept = {str(n.args[0].target) for n in calls if n not in small}
+    return {"regions": len(kept), "calls": len(calls) - len(small), "inlined": len(small)}
+
+
 _SAID: set = set()
 
 
@@ -759,6 +800,20 @@ class CompiledModule:
         label, t0 = self._current or ("?", time.perf_counter())
         started = time.perf_counter()
         self._progress("lowering", label, started - t0, self.graphs)
+        if self.options.dedupe_regions:
+            got = inline_small_regions(gm)
+            if got["calls"] or got["inlined"]:
+                logger.info(
+                    "%s: %s, graph %d: %d repeated regions compiled once for %d calls "
+                    "(%d calls of regions under %d ops put back inline)",
+                    self.name,
+                    label,
+                    self.graphs,
+                    got["regions"],
+                    got["calls"],
+                    got["inlined"],
+                    MIN_REGION_OPS,
+                )
         for graph_pass in self.options.graph_passes:
             for where, graph in graphs_of(gm):
                 said = graph_pass(graph)

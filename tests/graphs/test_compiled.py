@@ -549,6 +549,36 @@ def test_region_dedupe_with_inductor_matches_eager(cache_dir):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+class Small(nn.Module):
+    """A three-op pattern (linear, scale, shift) four times over: regions too small to keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for lin in self.lins:
+            x = torch.tanh(lin(x) * 2 + 1)
+        return x
+
+
+@pytest.mark.skipif(not C.dedupe_available(), reason="this torch has no region dedupe")
+def test_regions_under_the_minimum_size_are_put_back_inline(caplog):
+    torch.manual_seed(0)
+    net = Small().eval().requires_grad_(False)
+    x = torch.randn(3, 8)
+    seen = []
+    opts = C.CompileOptions(backend="eager", dedupe_regions=True, graph_passes=(seen.append,))
+    cm = C.CompiledModule(net, "UNet", opts)
+    with caplog.at_level(logging.INFO, logger=LOGGER), torch.inference_mode():
+        got, want = cm(x), net(x)
+    assert torch.equal(got, want)
+    (gm,) = seen  # no region graph left to hand to the passes
+    assert not C._invoke_subgraph_nodes(gm)
+    said = next(r.getMessage() for r in caplog.records if "regions" in r.getMessage())
+    assert "0 repeated regions compiled once for 0 calls (4 calls of regions under" in said
+
+
 def test_without_region_dedupe_in_torch_one_line_says_so(monkeypatch, caplog):
     monkeypatch.setattr(C, "dedupe_available", lambda: False)
     monkeypatch.setattr(C, "_SAID", set())
