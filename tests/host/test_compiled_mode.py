@@ -308,6 +308,16 @@ def test_ksampler_cuda_graph_compiled_matches_ksampler(host, native, tiny_models
     assert data["compiled"]["failed_signatures"] == 0 and data["replays"] >= 3, data
 
 
+def test_repeated_regions_compiled_once_match_stock(host, native, tiny_models, monkeypatch, caplog):
+    """``CNA_COMPILE_DEDUP=1``: the UNet's and the ControlNet's repeated blocks are traced as
+    calls of one region each; the run matches stock like the whole-graph compile."""
+    monkeypatch.setenv("CNA_COMPILE_DEDUP", "1")
+    with caplog.at_level(logging.INFO, logger="ControlNetAccelerator"):
+        _compiled_run_matches_stock(host, 17)
+    said = [r.getMessage() for r in caplog.records if "repeated regions compiled once" in r.message]
+    assert said and any(not m.split(": ")[-1].startswith("0 repeated") for m in said), said
+
+
 def test_unknown_compile_choice_is_refused_with_the_nodes_message(host, tiny_models):
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=2)
