@@ -356,21 +356,6 @@ def dedupe_available() -> bool:
     return hasattr(torch._dynamo.config, "use_graph_deduplication")
 
 
-def _dynamo_settings(options: CompileOptions):
-    """Dynamo's settings for one trace (the first call of a signature): region deduplication
-    when ``options`` asks for it and this torch has it (else one log line, and whole graphs)."""
-    if not options.dedupe_regions:
-        return contextlib.nullcontext()
-    if not dedupe_available():
-        _log_once_global(
-            "dedupe",
-            "compiled mode: this torch cannot compile repeated regions once (no "
-            "torch._dynamo.config.use_graph_deduplication); each is compiled where it occurs",
-        )
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(use_graph_deduplication=True)
-
-
 def graphs_of(gm: torch.fx.GraphModule) -> list[tuple[str, torch.fx.GraphModule]]:
     """``gm`` and every region graph inside it (the subgraphs dynamo's deduplication calls),
     each with where it is, for the log ("" for ``gm`` itself)."""
@@ -420,15 +405,6 @@ def inline_small_regions(gm: torch.fx.GraphModule, min_ops: int = MIN_REGION_OPS
             gm.recompile()
     kept = {str(n.args[0].target) for n in calls if n not in small}
     return {"regions": len(kept), "calls": len(calls) - len(small), "inlined": len(small)}
-
-
-_SAID: set = set()
-
-
-def _log_once_global(key: str, msg: str) -> None:
-    if key not in _SAID:
-        _SAID.add(key)
-        logger.info(msg)
 
 
 def signature(args: tuple, kwargs: dict, dynamic: str = "static") -> Hashable:
@@ -745,7 +721,7 @@ class CompiledModule:
         self._current = (label, t0)
         self._progress("start", label, 0.0, 0)
         try:
-            with _dynamo_settings(self.options):
+            with self._dynamo_settings():
                 out = fn(*args, **kwargs)
         except Exception as e:
             return self._fail(
@@ -814,8 +790,9 @@ class CompiledModule:
                     got["inlined"],
                     MIN_REGION_OPS,
                 )
+        graphs = graphs_of(gm) if self.options.dedupe_regions else [("", gm)]
         for graph_pass in self.options.graph_passes:
-            for where, graph in graphs_of(gm):
+            for where, graph in graphs:
                 said = graph_pass(graph)
                 if said:
                     logger.info(
@@ -848,6 +825,21 @@ class CompiledModule:
             return ran
         self.eager_calls += 1
         return self._callee(target)(*args, **kwargs)
+
+    def _dynamo_settings(self):
+        """Dynamo's settings for a trace (the first call of a signature): region deduplication
+        when the options ask for it and this torch has it (else one log line, whole graphs)."""
+        if not self.options.dedupe_regions:
+            return contextlib.nullcontext()
+        if not dedupe_available():
+            self._log_once(
+                "dedupe",
+                "%s: this torch cannot compile repeated regions once (no "
+                "torch._dynamo.config.use_graph_deduplication); each is compiled where it occurs",
+                self.name,
+            )
+            return contextlib.nullcontext()
+        return torch._dynamo.config.patch(use_graph_deduplication=True)
 
     def _log_once(self, reason: str, fmt: str, *fargs) -> None:
         if reason in self._logged:

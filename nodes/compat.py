@@ -133,8 +133,7 @@ def rest_of_chain_on_copy(executor, **attrs):
     copy of ``executor.class_obj`` with ``attrs`` set, so that a wrapper can change what one
     call of the method sees without touching the object (a guider can be another node's cached
     output). Returns ``(copy, executor)``: call that executor as the one the wrapper was handed.
-    None when the chain cannot be moved (its method is not bound to the object): then the
-    caller keeps the object as it is."""
+    None when the chain cannot be moved (its method is not bound to the object)."""
     import copy
 
     import comfy.patcher_extension as pe

@@ -550,7 +550,8 @@ def test_region_dedupe_with_inductor_matches_eager(cache_dir):
 
 
 class Small(nn.Module):
-    """A three-op pattern (linear, scale, shift) four times over: regions too small to keep."""
+    """A four-op pattern (linear, scale, shift, tanh) four times over: regions too small to
+    keep."""
 
     def __init__(self):
         super().__init__()
@@ -581,13 +582,18 @@ def test_regions_under_the_minimum_size_are_put_back_inline(caplog):
 
 def test_without_region_dedupe_in_torch_one_line_says_so(monkeypatch, caplog):
     monkeypatch.setattr(C, "dedupe_available", lambda: False)
-    monkeypatch.setattr(C, "_SAID", set())
-    with caplog.at_level(logging.INFO, logger=LOGGER):
-        got, want, calls, _ = _regions_seen(True)
-        _regions_seen(True)
-    assert calls == 0 and torch.equal(got, want)
+    torch.manual_seed(0)
+    net = Repeated().eval().requires_grad_(False)
+    seen = []
+    opts = C.CompileOptions(backend="eager", dedupe_regions=True, graph_passes=(seen.append,))
+    cm = C.CompiledModule(net, "UNet", opts)
+    with caplog.at_level(logging.INFO, logger=LOGGER), torch.inference_mode():
+        for size in (8, 12):  # two signatures, two traces: said once
+            args = (torch.randn(2, 4, size, size), torch.randn(2, 32), torch.randn(2, 5, 24))
+            assert torch.equal(cm(*args), net(*args))
+    assert len(seen) == 2 and not any(C._invoke_subgraph_nodes(gm) for gm in seen)
     said = [r.getMessage() for r in caplog.records if "repeated regions" in r.getMessage()]
-    assert len(said) == 1
+    assert len(said) == 1 and said[0].startswith("UNet: this torch cannot")
 
 
 def test_compile_workers_are_started_before_dynamo_traces(monkeypatch):
