@@ -66,7 +66,8 @@ DYNAMIC = ("static", "dynamic")
 BACKENDS = ("inductor", "aot_eager", "eager")  # the last two: to tell which stage fails
 
 # Inductor settings diffusers' "diffusion-fast" recipe uses for SD UNets; a candidate to measure
-# (CompileOptions(inductor_options=DIFFUSION_OPTIONS)), not a default.
+# (CompileOptions(inductor_options=DIFFUSION_OPTIONS); the node's CNA_COMPILE_TUNING=1), not a
+# default.
 DIFFUSION_OPTIONS: tuple[tuple[str, object], ...] = (
     ("conv_1x1_as_mm", True),
     ("coordinate_descent_tuning", True),

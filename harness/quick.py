@@ -275,6 +275,12 @@ VARIANTS["graph_compiled_comfy_attention"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=19, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_comfy_attention"] = {"CNA_COMPILE_ATTENTION": "off"}
+# Compiled mode with inductor's settings of diffusers' SD recipe (CNA_COMPILE_TUNING=1: 1x1
+# convolutions as matrix multiplies, kernel configurations tuned on the first run). max_graphs 18.
+VARIANTS["graph_compiled_tuned"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=18, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_tuned"] = {"CNA_COMPILE_TUNING": "1"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

@@ -44,6 +44,7 @@ import threading
 import weakref
 
 from ..graphs.compiled import (
+    DIFFUSION_OPTIONS,
     CompileCache,
     CompileOptions,
     CompileProgress,
@@ -65,6 +66,10 @@ DYNAMIC_ENV = "CNA_COMPILE_DYNAMIC"
 # compiled once and called where it recurs (graphs.compiled.CompileOptions.dedupe_regions), to
 # shorten the first compile. Opt-in, to measure what it costs the step (docs/benchmarks.md).
 DEDUPE_ENV = "CNA_COMPILE_DEDUP"
+# 1: inductor's settings of diffusers' SD recipe (graphs.compiled.DIFFUSION_OPTIONS: 1x1
+# convolutions as matrix multiplies, Triton kernel configurations tuned by coordinate descent on
+# the first run, no epilogue fusion). Opt-in, to measure the step against the longer first run.
+TUNING_ENV = "CNA_COMPILE_TUNING"
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
 # runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.
@@ -105,7 +110,8 @@ def options_for(choice: str) -> CompileOptions | None:
     other way). ``CNA_COMPILE_ATTENTION`` adds the attention-backend choice for its mode (by
     default for the attentions ComfyUI runs on flash attention first) the same way.
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
-    of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once."""
+    of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once.
+    ``CNA_COMPILE_TUNING=1`` adds the inductor settings of diffusers' SD recipe."""
     base = CHOICES[choice]
     if base is None:
         return None
@@ -122,6 +128,10 @@ def options_for(choice: str) -> CompileOptions | None:
         base = dataclasses.replace(base, dynamic="dynamic")
     if os.environ.get(DEDUPE_ENV, "0").strip() == "1":
         base = dataclasses.replace(base, dedupe_regions=True)
+    if os.environ.get(TUNING_ENV, "0").strip() == "1":
+        base = dataclasses.replace(
+            base, inductor_options=(*base.inductor_options, *DIFFUSION_OPTIONS)
+        )
     backend = os.environ.get(BACKEND_ENV)
     if backend:
         base = dataclasses.replace(base, backend=backend)  # CompileOptions validates it

@@ -126,6 +126,23 @@ def test_region_dedupe_switch_gives_other_settings(monkeypatch):
     assert cs.options_for("inductor") == whole
 
 
+def test_tuning_switch_adds_the_diffusion_recipe_to_inductors_settings(monkeypatch):
+    monkeypatch.delenv(cs.TUNING_ENV, raising=False)
+    plain = cs.options_for("inductor")
+    monkeypatch.setenv(cs.TUNING_ENV, "1")
+    tuned = cs.options_for("inductor")
+    assert plain.inductor_options == () and tuned != plain  # kept apart per model
+    cfg = tuned.inductor_config()
+    assert cfg["coordinate_descent_tuning"] is True and cfg["conv_1x1_as_mm"] is True
+    assert cfg["epilogue_fusion"] is False and cfg["triton.cudagraphs"] is False
+    assert "coordinate_descent_tuning" not in plain.inductor_config()
+    auto = cs.options_for("inductor max-autotune")
+    assert auto.mode == "max-autotune-no-cudagraphs"
+    assert auto.inductor_options == tuned.inductor_options
+    monkeypatch.setenv(cs.TUNING_ENV, "0")
+    assert cs.options_for("inductor") == plain
+
+
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
     allocator("native")
     opts = _tcm_options()

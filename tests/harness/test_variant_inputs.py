@@ -21,6 +21,7 @@ NEWER = {
         "graph_compiled_attention",
         "graph_compiled_comfy_attention",
         "graph_compiled_autotune",
+        "graph_compiled_tuned",
     )
 }
 
