@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import re
 import sys
@@ -408,6 +409,33 @@ def inline_small_regions(gm: torch.fx.GraphModule, min_ops: int = MIN_REGION_OPS
     return {"regions": len(kept), "calls": len(calls) - len(small), "inlined": len(small)}
 
 
+@functools.cache
+def untraced(fn: Callable) -> Callable:
+    """``fn`` as a call dynamo never traces: compiled code that reaches it stops its graph there,
+    runs it as Python, and goes on in a graph of its own (a graph break where the call is). One
+    object per ``fn``, so the compiled code's guards on it hold from call to call."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+def _tensor_meta(v: torch.Tensor, dynamic: str) -> tuple:
+    if dynamic == "static":
+        shape: tuple = (tuple(v.shape), tuple(v.stride()))
+    else:
+        shape = (
+            tuple(d if d < 2 else -1 for d in v.shape),
+            v.dim() == 4 and v.is_contiguous(memory_format=torch.channels_last),
+        )
+    return (shape, v.dtype, v.device, v.requires_grad, v.is_inference())
+
+
+def _structure(spec) -> Hashable:
+    try:
+        hash(spec)
+        return spec
+    except TypeError:
+        return repr(spec)
+
+
 def signature(args: tuple, kwargs: dict, dynamic: str = "static") -> Hashable:
     """What selects a compiled function: the argument structure, every tensor's metadata
     (``static``: sizes and strides; ``dynamic``: rank, which sizes are 0 or 1, and the memory
@@ -415,24 +443,22 @@ def signature(args: tuple, kwargs: dict, dynamic: str = "static") -> Hashable:
     tensors and of other arguments are not part of it."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     metas: list = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    _leaf_metas(leaves, dynamic, metas)
+    return _structure(spec), tuple(metas)
+
+
+def _leaf_metas(leaves: list, dynamic: str, metas: list) -> None:
     for v in leaves:
         if isinstance(v, torch.Tensor):
-            if dynamic == "static":
-                shape: tuple = (tuple(v.shape), tuple(v.stride()))
-            else:
-                shape = (
-                    tuple(d if d < 2 else -1 for d in v.shape),
-                    v.dim() == 4 and v.is_contiguous(memory_format=torch.channels_last),
-                )
-            metas.append((shape, v.dtype, v.device, v.requires_grad, v.is_inference()))
+            metas.append(_tensor_meta(v, dynamic))
+        elif isinstance(v, dict) and type(v) is not dict:
+            # A dict subclass is one leaf to pytree (the ControlNets' residuals joined on use):
+            # its type, and its contents as a plain dict's, read without its own methods.
+            inner, inner_spec = pytree.tree_flatten(dict(dict.items(v)))
+            metas.append((type(v), _structure(inner_spec)))
+            _leaf_metas(inner, dynamic, metas)
         else:
             metas.append(type(v))
-    try:
-        hash(spec)
-        structure: Hashable = spec
-    except TypeError:
-        structure = repr(spec)
-    return structure, tuple(metas)
 
 
 def describe(args: tuple, kwargs: dict) -> str:

@@ -70,6 +70,17 @@ DEDUPE_ENV = "CNA_COMPILE_DEDUP"
 # convolutions as matrix multiplies, Triton kernel configurations tuned by coordinate descent on
 # the first run, no epilogue fusion). Opt-in, to measure the step against the longer first run.
 TUNING_ENV = "CNA_COMPILE_TUNING"
+# 1: the node's concurrent_controlnet applies in compiled mode too: the ControlNets' compiled code
+# runs on the side stream and the UNet's compiled code waits for it where it first reads a
+# residual (a graph break there). Opt-in until measured on a GPU; off, the ControlNets run
+# before the UNet on one stream.
+CONCURRENT_ENV = "CNA_COMPILE_CONCURRENT"
+
+
+def concurrent_controlnets() -> bool:
+    """Whether compiled mode runs the ControlNets beside the UNet (``CNA_COMPILE_CONCURRENT``)."""
+    return os.environ.get(CONCURRENT_ENV, "0").strip() == "1"
+
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
 # runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.

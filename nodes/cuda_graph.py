@@ -31,7 +31,7 @@ import torch
 
 from ..errors import is_out_of_memory
 from ..graphs import CaptureFailed
-from ..graphs.compiled import CompileOptions
+from ..graphs.compiled import CompileOptions, untraced
 from ..graphs.hint_encoding import encode, encoder_of
 from ..logger import logger
 from ..memory import prefetch
@@ -41,6 +41,7 @@ from .graph_deferral import (  # noqa: F401  (ControlCall, _JoinOnUse: used by t
     ControlCall,
     _JoinOnUse,
     defer_controls,
+    join_stream,
     on_stream,
     residual_tensors,
 )
@@ -324,7 +325,8 @@ class CudaGraphPatch:
         comp = compiled_step.run_of(transformer_options)
         flags = (
             run.layout is not None,
-            self.options.concurrent_controlnet and comp is None,
+            self.options.concurrent_controlnet
+            and (comp is None or compiled_step.concurrent_controlnets()),
             comp.options if comp is not None else None,
         )
         with st.lock:
@@ -451,9 +453,13 @@ class CudaGraphPatch:
         at capture (and, emulated, at every replay); a real replay runs none of it."""
         names = plan.names
         comp = compiled_step.run_of(topts)
-        # Compiled code reads the residuals as plain inputs: the ControlNets then run before
-        # the UNet on one stream (no join-on-use inside traced code).
-        concurrent = self.options.concurrent_controlnet and comp is None
+        concurrent = self.options.concurrent_controlnet and (
+            comp is None or compiled_step.concurrent_controlnets()
+        )
+        # Compiled mode: the wait for the ControlNets' stream is a call dynamo does not trace,
+        # so the UNet's compiled code runs in two parts with the wait between them, where the
+        # first residual is read (after the middle block for an SD ControlNet).
+        wait = untraced(join_stream) if comp is not None else None
 
         def fn(*static):
             t0 = time.perf_counter()
@@ -486,7 +492,7 @@ class CudaGraphPatch:
                         held = residual_tensors(ctrl)
                         ev = torch.cuda.Event()
                         ev.record(side)
-                        ctrl = _JoinOnUse(ctrl, ev)
+                        ctrl = _JoinOnUse(ctrl, ev, wait)
                 return executor(
                     by_name["x"],
                     by_name["t"],

@@ -90,19 +90,31 @@ class ControlCall:
         return (self.resolve() or {}).items()
 
 
+def join_stream(residuals: _JoinOnUse) -> None:
+    """The current stream waits for the event recorded after the ControlNets' side-stream work."""
+    torch.cuda.current_stream().wait_event(residuals.event)
+
+
 class _JoinOnUse(dict):
     """The residual dict of ControlNets that ran on a side stream. The UNet's stream waits for
     the side stream just before it first reads a residual (an empty list, like the ``input``
-    entry of an SD ControlNet, needs no wait), so the input blocks overlap the ControlNets."""
+    entry of an SD ControlNet, needs no wait), so the input blocks overlap the ControlNets.
 
-    def __init__(self, d: dict, event):
+    ``wait(residuals)`` makes the wait (default ``join_stream``). Compiled mode hands one that
+    dynamo never traces (``graphs.compiled.untraced``): the UNet's compiled code then breaks
+    where the first residual is read, and the wait runs between its parts. It is handed the
+    dict itself, so traced code never reads the event (whose value, new per capture, dynamo
+    would otherwise guard on)."""
+
+    def __init__(self, d: dict, event, wait=None):
         super().__init__(d)
-        self._event = event
+        self.event = event
+        self._wait = wait if wait is not None else join_stream
         self._joined = False
 
     def _join(self) -> None:
         if not self._joined:
-            torch.cuda.current_stream().wait_event(self._event)
+            self._wait(self)
             self._joined = True
 
     def __getitem__(self, k):

@@ -678,6 +678,52 @@ def test_signature_ignores_values_and_sees_shapes_dtypes_layouts_and_modes():
     assert C.signature((torch.zeros(1, 4, 16, 24),), {}, "dynamic") != dyn  # size 1 specialises
 
 
+class _Residuals(dict):
+    """A dict subclass with methods of its own, like the residuals joined on use."""
+
+    def items(self):
+        raise AssertionError("the signature must not call the dict's own methods")
+
+    values = items
+
+
+def test_signature_sees_inside_a_dict_subclass_without_calling_its_methods():
+    a, b = torch.randn(2, 4, 8, 8), torch.randn(2, 8, 4, 4)
+
+    def sig(d):
+        return C.signature((a,), {"control": d})
+
+    base = sig(_Residuals({"middle": [b], "output": [a]}))
+    assert sig(_Residuals({"middle": [b.clone()], "output": [a + 1]})) == base  # values: same
+    assert sig(_Residuals({"middle": [b[:1]], "output": [a]})) != base  # a residual's shape
+    assert sig(_Residuals({"middle": [b], "output": [a, a]})) != base  # how many
+    assert sig({"middle": [b], "output": [a]}) != base  # a plain dict: other code, other key
+
+
+def test_untraced_is_one_object_per_function_and_breaks_the_graph():
+    seen = []
+
+    def note(x):
+        seen.append(x.shape)
+
+    assert C.untraced(note) is C.untraced(note)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x):
+        y = x * 2
+        C.untraced(note)(y)
+        return y + 1
+
+    torch._dynamo.reset()
+    out = torch.compile(f, backend=backend)(torch.ones(3))
+    assert torch.equal(out, torch.full((3,), 3.0)) and seen == [(3,)]
+    assert len(graphs) == 2  # the call ran as Python between two graphs
+
+
 def test_module_is_held_weakly_and_cache_drops_dead_modules():
     import gc
 

@@ -16,6 +16,7 @@ bit-identical; one ControlNet more or less, or a changed strength, moves the lat
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 
@@ -316,6 +317,98 @@ def test_repeated_regions_compiled_once_match_stock(host, native, tiny_models, m
         _compiled_run_matches_stock(host, 17)
     said = [r.getMessage() for r in caplog.records if "repeated regions compiled once" in r.message]
     assert said and any(not m.split(": ")[-1].startswith("0 repeated") for m in said), said
+
+
+def _residuals_for(unet, x, t, ctx):
+    """Random residuals of the shapes ComfyUI's UNet adds them at: the middle block's output,
+    and each input block's output for the output blocks (popped last first, as ComfyUI's).
+    ComfyUI runs a block's layers one by one, so the shapes are read at each block's last."""
+    shapes: dict[str, list] = {"input": [], "middle": []}
+
+    def keep(where):
+        return lambda m, a, o: shapes[where].append(o.shape)
+
+    hooks = [b[-1].register_forward_hook(keep("input")) for b in unet.input_blocks]
+    hooks.append(unet.middle_block[-1].register_forward_hook(keep("middle")))
+    try:
+        with torch.no_grad():
+            unet._forward(x, t, context=ctx, control=None, transformer_options={})
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(shapes["middle"]) == 1 and len(shapes["input"]) == len(unet.input_blocks)
+    g = torch.Generator().manual_seed(3)
+    rand = [torch.randn(s, generator=g).to(x) * 0.5 for s in [*shapes["middle"], *shapes["input"]]]
+    return rand[:1], rand[1:]
+
+
+def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts(
+    host, native, tiny_models, compile_backend
+):
+    """The ControlNets beside the UNet in compiled mode (``CNA_COMPILE_CONCURRENT=1``): the
+    residual dict waits for their stream when the UNet first reads a residual. Compiled, that
+    wait is a call dynamo does not trace: ComfyUI's UNet compiles in parts with the wait run
+    between them, once per call, at the middle block's residual (not before the input blocks);
+    a new dict of the same shapes runs the same compiled code; the output is the eager UNet's."""
+    import comfy.sd
+
+    pack = sys.modules[host.pack_module_name]
+    C, gd = pack.graphs.compiled, pack.nodes.graph_deferral
+    model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
+    )
+    unet = model.model.diffusion_model.to("cpu" if host.cpu else "cuda")
+    p0 = next(unet.parameters())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 16, 16, generator=g).to(p0)
+    t = torch.tensor([500.0, 700.0], device=p0.device)
+    ctx = torch.randn(2, 77, 768, generator=g).to(p0)
+    middle, output = _residuals_for(unet, x, t, ctx)
+    waits: list = []
+
+    def record(residuals):
+        # where the compiled code stopped for the wait: the frame of ComfyUI's apply_control
+        # that asked for a residual (the code between the compiled parts runs as Python)
+        frame, at = inspect.currentframe(), None
+        while frame is not None and at is None:
+            if frame.f_code.co_name == "apply_control":
+                at = frame.f_locals.get("name")
+            frame = frame.f_back
+        waits.append((residuals.event, at))
+
+    def control(event):
+        ctrl = {"input": [], "middle": list(middle), "output": list(output)}
+        return gd._JoinOnUse(ctrl, event, C.untraced(record))
+
+    with torch.no_grad():
+        plain = {"input": [], "middle": list(middle), "output": list(output)}
+        ref = unet._forward(x, t, context=ctx, control=plain, transformer_options={})
+        bare = unet._forward(x, t, context=ctx, control=None, transformer_options={})
+    cm = C.CompiledModule(
+        unet, "UNet", C.CompileOptions(backend=compile_backend), method="_forward"
+    )
+    with torch.no_grad():
+        got = cm(x, t, context=ctx, control=control("e1"), transformer_options={})
+        graphs = cm.graphs
+        again = cm(x, t, context=ctx, control=control("e2"), transformer_options={})
+    assert cm.compiles == 1 and not cm.failed and cm.eager_calls == 0, (cm.failed, cm.stats())
+    assert graphs >= 2 and cm.graphs == graphs, (graphs, cm.graphs)  # parts; nothing recompiled
+    # once per call, where the middle block's residual is read: the input blocks and the middle
+    # block run before it, beside the ControlNets
+    assert waits == [("e1", "middle"), ("e2", "middle")], waits
+    tol = C.PARITY_TOL[ref.dtype]  # relative L2: fused code keeps fp32 where eager rounds
+    for out in (got, again):
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err <= tol, (err, tol)
+    assert ((ref.float() - bare.float()).norm() / ref.float().norm()).item() > 10 * tol
+
+
+def test_compiled_controlnets_beside_the_unet_match_stock(host, native, tiny_models, monkeypatch):
+    """``CNA_COMPILE_CONCURRENT=1`` through the node: on a GPU the ControlNets' compiled code
+    runs on the side stream inside the graph (on the CPU there is no side stream, and this is
+    the one-stream path with the switch on); the run matches stock within the exact bar."""
+    monkeypatch.setenv("CNA_COMPILE_CONCURRENT", "1")
+    _compiled_run_matches_stock(host, 23)
 
 
 def test_unknown_compile_choice_is_refused_with_the_nodes_message(host, tiny_models):
