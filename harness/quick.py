@@ -281,12 +281,16 @@ VARIANTS["graph_compiled_tuned"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=18, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_tuned"] = {"CNA_COMPILE_TUNING": "1"}
-# Compiled mode with the ControlNets' compiled code beside the UNet's on a second stream
-# (CNA_COMPILE_CONCURRENT=1). max_graphs 17.
-VARIANTS["graph_compiled_concurrent"] = _insert_model_node(
-    "CNA_CUDAGraph", enabled=True, max_graphs=17, verify=False, compile="inductor"
+# Compiled mode with the ControlNets before the UNet on one stream (concurrent_controlnet off;
+# on, the default, they run beside it).
+VARIANTS["graph_compiled_serial"] = _insert_model_node(
+    "CNA_CUDAGraph",
+    enabled=True,
+    max_graphs=24,
+    verify=False,
+    compile="inductor",
+    concurrent_controlnet=False,
 )
-VARIANT_ENV["graph_compiled_concurrent"] = {"CNA_COMPILE_CONCURRENT": "1"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

@@ -64,22 +64,13 @@ BACKEND_ENV = "CNA_COMPILE_BACKEND"  # inductor (default); aot_eager traces with
 DYNAMIC_ENV = "CNA_COMPILE_DYNAMIC"
 # 1: each repeated region of the UNet and the ControlNets (blocks of one width and size) is
 # compiled once and called where it recurs (graphs.compiled.CompileOptions.dedupe_regions), to
-# shorten the first compile. Opt-in, to measure what it costs the step (docs/benchmarks.md).
+# shorten the first compile. Opt-in: on the H200 at SD1.5 512² it took 4 s off a 92 s first run
+# and made the step 13.5% slower (docs/benchmarks.md).
 DEDUPE_ENV = "CNA_COMPILE_DEDUP"
 # 1: inductor's settings of diffusers' SD recipe (graphs.compiled.DIFFUSION_OPTIONS: 1x1
 # convolutions as matrix multiplies, Triton kernel configurations tuned by coordinate descent on
 # the first run, no epilogue fusion). Opt-in, to measure the step against the longer first run.
 TUNING_ENV = "CNA_COMPILE_TUNING"
-# 1: the node's concurrent_controlnet applies in compiled mode too: the ControlNets' compiled code
-# runs on the side stream and the UNet's compiled code waits for it where it first reads a
-# residual (a graph break there). Opt-in until measured on a GPU; off, the ControlNets run
-# before the UNet on one stream.
-CONCURRENT_ENV = "CNA_COMPILE_CONCURRENT"
-
-
-def concurrent_controlnets() -> bool:
-    """Whether compiled mode runs the ControlNets beside the UNet (``CNA_COMPILE_CONCURRENT``)."""
-    return os.environ.get(CONCURRENT_ENV, "0").strip() == "1"
 
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations

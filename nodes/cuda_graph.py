@@ -68,8 +68,9 @@ class GraphOptions:
     verify_tol: float = 1e-2
     channels_last: bool = False  # experimental: see channels_last.py
     # ControlNets on a second CUDA stream, overlapping the UNet's input blocks (their residuals
-    # are first read at the middle block); see _JoinOnUse. On by default: bit-identical and
-    # 4-10% faster per step on the H200 (docs/benchmarks.md).
+    # are first read at the middle block); see _JoinOnUse. On by default, in compiled mode too:
+    # bit-identical (compiled: the same latent), 4-10% faster per step on the H200 with the
+    # eager kernels and 3-11% compiled (docs/benchmarks.md).
     concurrent_controlnet: bool = True
     # Compiled mode (compiled_step.py): inductor's code for the UNet and ControlNets inside the
     # graphs. None: the eager kernels, exactly stock.
@@ -325,8 +326,7 @@ class CudaGraphPatch:
         comp = compiled_step.run_of(transformer_options)
         flags = (
             run.layout is not None,
-            self.options.concurrent_controlnet
-            and (comp is None or compiled_step.concurrent_controlnets()),
+            self.options.concurrent_controlnet,
             comp.options if comp is not None else None,
         )
         with st.lock:
@@ -453,9 +453,7 @@ class CudaGraphPatch:
         at capture (and, emulated, at every replay); a real replay runs none of it."""
         names = plan.names
         comp = compiled_step.run_of(topts)
-        concurrent = self.options.concurrent_controlnet and (
-            comp is None or compiled_step.concurrent_controlnets()
-        )
+        concurrent = self.options.concurrent_controlnet
         # Compiled mode: the wait for the ControlNets' stream is a call dynamo does not trace,
         # so the UNet's compiled code runs in two parts with the wait between them, where the
         # first residual is read (after the middle block for an SD ControlNet).

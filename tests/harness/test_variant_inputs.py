@@ -22,7 +22,7 @@ NEWER = {
         "graph_compiled_comfy_attention",
         "graph_compiled_autotune",
         "graph_compiled_tuned",
-        "graph_compiled_concurrent",
+        "graph_compiled_serial",
     )
 }
 

@@ -79,13 +79,13 @@ def _badge(host, p, class_type="CNA_CUDAGraph") -> dict:
     return _status(host).LAST[node]["data"]
 
 
-def _compiled_run_matches_stock(host, seed: int) -> None:
-    """T1, 4 steps, compiled mode against stock on ``seed``: within the exact bar, and no input
-    signature fell back to eager."""
+def _compiled_run_matches_stock(host, seed: int, **inputs) -> None:
+    """T1, 4 steps, compiled mode (with the node's ``inputs``) against stock on ``seed``: within
+    the exact bar, and no input signature fell back to eager."""
     r = runner.Runner()
     wl = wf.WORKLOADS["T1"].with_(steps=4)
     stock, _ = _run(r, wl, seed)
-    got, p = _run(r, wl, seed, _graph(compile="inductor"))
+    got, p = _run(r, wl, seed, _graph(compile="inductor", **inputs))
     assert runner.psnr(stock.latent, got.latent) >= MIN_PSNR, runner.psnr(stock.latent, got.latent)
     assert _badge(host, p)["compiled"]["failed_signatures"] == 0
 
@@ -345,7 +345,7 @@ def _residuals_for(unet, x, t, ctx):
 def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts(
     host, native, tiny_models, compile_backend
 ):
-    """The ControlNets beside the UNet in compiled mode (``CNA_COMPILE_CONCURRENT=1``): the
+    """The ControlNets beside the UNet in compiled mode (``concurrent_controlnet``): the
     residual dict waits for their stream when the UNet first reads a residual. Compiled, that
     wait is a call dynamo does not trace: ComfyUI's UNet compiles in parts with the wait run
     between them, once per call, at the middle block's residual (not before the input blocks);
@@ -403,12 +403,11 @@ def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts
     assert ((ref.float() - bare.float()).norm() / ref.float().norm()).item() > 10 * tol
 
 
-def test_compiled_controlnets_beside_the_unet_match_stock(host, native, tiny_models, monkeypatch):
-    """``CNA_COMPILE_CONCURRENT=1`` through the node: on a GPU the ControlNets' compiled code
-    runs on the side stream inside the graph (on the CPU there is no side stream, and this is
-    the one-stream path with the switch on); the run matches stock within the exact bar."""
-    monkeypatch.setenv("CNA_COMPILE_CONCURRENT", "1")
-    _compiled_run_matches_stock(host, 23)
+def test_compiled_controlnets_before_the_unet_match_stock(host, native, tiny_models):
+    """``concurrent_controlnet`` off in compiled mode: the ControlNets' compiled code runs before
+    the UNet's on one stream (on by default, and on a GPU, it runs on the side stream, which the
+    other tests here cover); the run matches stock within the exact bar."""
+    _compiled_run_matches_stock(host, 23, concurrent_controlnet=False)
 
 
 def test_unknown_compile_choice_is_refused_with_the_nodes_message(host, tiny_models):
