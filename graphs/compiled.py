@@ -381,10 +381,21 @@ def _invoke_subgraph_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
 
 
+def _inliner() -> Callable | None:
+    """Torch's pass that puts region calls back inline, or None where this torch has none."""
+    try:
+        from torch._higher_order_ops.passes.inline_invoke_subgraph import (
+            inline_invoke_subgraph_nodes,
+        )
+    except ImportError:
+        return None
+    return inline_invoke_subgraph_nodes
+
+
 def inline_small_regions(gm: torch.fx.GraphModule, min_ops: int = MIN_REGION_OPS) -> dict:
     """Put the calls of regions with fewer than ``min_ops`` operations back inline in ``gm``;
     returns what stays: ``{"regions": kept region graphs, "calls": their calls, "inlined":
-    calls put back}``. Where this torch has no inliner, every region stays."""
+    calls put back, "small_kept": small calls that stay because this torch has no inliner}``."""
     calls = _invoke_subgraph_nodes(gm)
     size: dict[str, int] = {}
     for node in calls:
@@ -393,20 +404,23 @@ def inline_small_regions(gm: torch.fx.GraphModule, min_ops: int = MIN_REGION_OPS
             sub = getattr(gm, name)
             size[name] = sum(1 for n in sub.graph.nodes if n.op == "call_function")
     small = [n for n in calls if size[str(n.args[0].target)] < min_ops]
+    small_kept = 0
     if small:
-        try:
-            from torch._higher_order_ops.passes.inline_invoke_subgraph import (
-                inline_invoke_subgraph_nodes,
-            )
-        except ImportError:
-            small = []
+        inline = _inliner()
+        if inline is None:
+            small_kept, small = len(small), []
         else:
-            inline_invoke_subgraph_nodes(gm, small)
+            inline(gm, small)
             gm.delete_all_unused_submodules()
             gm.graph.lint()
             gm.recompile()
     kept = {str(n.args[0].target) for n in calls if n not in small}
-    return {"regions": len(kept), "calls": len(calls) - len(small), "inlined": len(small)}
+    return {
+        "regions": len(kept),
+        "calls": len(calls) - len(small),
+        "inlined": len(small),
+        "small_kept": small_kept,
+    }
 
 
 @functools.cache
@@ -815,6 +829,16 @@ class CompiledModule:
                     got["regions"],
                     got["calls"],
                     got["inlined"],
+                    MIN_REGION_OPS,
+                )
+            if got["small_kept"]:
+                self._log_once(
+                    "inline",
+                    "%s: this torch cannot put regions back inline "
+                    "(no torch._higher_order_ops.passes.inline_invoke_subgraph): %d calls of "
+                    "regions under %d ops stay regions, each a fusion barrier",
+                    self.name,
+                    got["small_kept"],
                     MIN_REGION_OPS,
                 )
         graphs = graphs_of(gm) if self.options.dedupe_regions else [("", gm)]

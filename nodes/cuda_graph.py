@@ -455,7 +455,7 @@ class CudaGraphPatch:
         comp = compiled_step.run_of(topts)
         concurrent = self.options.concurrent_controlnet
         # Compiled mode: the wait for the ControlNets' stream is a call dynamo does not trace,
-        # so the UNet's compiled code runs in two parts with the wait between them, where the
+        # so the UNet's compiled code runs in parts with the wait between them, where the
         # first residual is read (after the middle block for an SD ControlNet).
         wait = untraced(join_stream) if comp is not None else None
 

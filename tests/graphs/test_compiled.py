@@ -580,6 +580,23 @@ def test_regions_under_the_minimum_size_are_put_back_inline(caplog):
     assert "0 repeated regions compiled once for 0 calls (4 calls of regions under" in said
 
 
+@pytest.mark.skipif(not C.dedupe_available(), reason="this torch has no region dedupe")
+def test_small_regions_a_torch_cannot_inline_stay_and_one_line_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(C, "_inliner", lambda: None)  # a torch without the pass (2.11)
+    torch.manual_seed(0)
+    net = Small().eval().requires_grad_(False)
+    seen = []
+    opts = C.CompileOptions(backend="eager", dedupe_regions=True, graph_passes=(seen.append,))
+    cm = C.CompiledModule(net, "UNet", opts)
+    with caplog.at_level(logging.INFO, logger=LOGGER), torch.inference_mode():
+        for rows in (3, 5):  # two signatures, two traces: said once
+            x = torch.randn(rows, 8)
+            assert torch.equal(cm(x), net(x))
+    assert all(len(C._invoke_subgraph_nodes(gm)) == 4 for gm in seen[:1])  # the regions stayed
+    said = [r.getMessage() for r in caplog.records if "cannot put regions back" in r.getMessage()]
+    assert len(said) == 1 and "4 calls of regions under 8 ops stay regions" in said[0], said
+
+
 def test_without_region_dedupe_in_torch_one_line_says_so(monkeypatch, caplog):
     monkeypatch.setattr(C, "dedupe_available", lambda: False)
     torch.manual_seed(0)
