@@ -98,6 +98,14 @@ AUTOTUNE_NOTE = (
 # reductions and keeps fp32 accumulators where eager rounds to the storage dtype in between.
 PARITY_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 _RECOMPILES = {"static": 0, "dynamic": 2}
+# Dynamo's per-code-object limit on compiled entries while the pack compiles. A graph break
+# inside a function dynamo inlined (the wait for the ControlNets' stream inside the UNet) leaves
+# compiled code on the host's own code objects on the way to it (the UNet's forward, shared by
+# every model and size); dropping a signature frees the pack's entry, not those. At torch's
+# default of 8 the ninth size or model compiled in a process would run those frames eager. Each
+# entry there is the small host-side part of a compile; a recompile of a dropped signature
+# reuses it.
+RECOMPILE_LIMIT = 64
 
 
 class CompileNotReady(RuntimeError):
@@ -114,7 +122,10 @@ class CompileOptions:
     left off: it folds the weights into the compiled code, which then misses weight changes.
     ``graph_passes``: callables run in order on each FX graph dynamo hands the backend, before
     inductor; each edits the graph in place and returns a line for the log (what it changed)
-    or None. A pass that raises fails that compile (the signature then runs eager)."""
+    or None. A pass that raises fails that compile (the signature then runs eager).
+    ``dedupe_regions``: each repeated region compiled once (dynamo's graph deduplication).
+    ``nested_breaks``: at a graph break inside an inlined function, dynamo resumes in that
+    function instead of tracing the enclosing frames again (its ``nested_graph_breaks``)."""
 
     mode: str = "default"
     dynamic: str = "static"
@@ -124,6 +135,7 @@ class CompileOptions:
     inductor_options: tuple[tuple[str, object], ...] = ()
     graph_passes: tuple[Callable[[torch.fx.GraphModule], str | None], ...] = ()
     dedupe_regions: bool = False
+    nested_breaks: bool = False
 
     def __post_init__(self):
         for field, value, allowed in (
@@ -351,6 +363,11 @@ def start_compile_workers(device: torch.device, backend: str = "inductor") -> bo
 
 
 # -- signatures -----------------------------------------------------------------------------------
+
+
+def nested_breaks_available() -> bool:
+    """Whether this torch's dynamo can resume a graph break in the nested frame it occurs in."""
+    return hasattr(torch._dynamo.config, "nested_graph_breaks")
 
 
 def dedupe_available() -> bool:
@@ -681,7 +698,7 @@ class CompiledModule:
         self._current = (entry.label, t0)
         try:
             stance = torch.compiler.set_stance("fail_on_recompile") if strict else None
-            with stance if stance is not None else contextlib.nullcontext():
+            with stance if stance is not None else self._dynamo_settings():
                 out = entry.fn(*args, **kwargs)
         except Exception as e:
             if _is_recompile_error(e):
@@ -878,19 +895,37 @@ class CompiledModule:
         return self._callee(target)(*args, **kwargs)
 
     def _dynamo_settings(self):
-        """Dynamo's settings for a trace (the first call of a signature): region deduplication
-        when the options ask for it and this torch has it (else one log line, whole graphs)."""
-        if not self.options.dedupe_regions:
-            return contextlib.nullcontext()
-        if not dedupe_available():
-            self._log_once(
-                "dedupe",
-                "%s: this torch cannot compile repeated regions once (no "
-                "torch._dynamo.config.use_graph_deduplication); each is compiled where it occurs",
-                self.name,
-            )
-            return contextlib.nullcontext()
-        return torch._dynamo.config.patch(use_graph_deduplication=True)
+        """Dynamo's settings for a call that may trace: the recompile limit (``RECOMPILE_LIMIT``),
+        and what the options ask for where this torch has it (else one log line each)."""
+        cfg = torch._dynamo.config
+        patch: dict = {}
+        for name in ("recompile_limit", "cache_size_limit"):  # the second: its older name
+            if hasattr(cfg, name):
+                patch[name] = max(getattr(cfg, name), RECOMPILE_LIMIT)
+                break
+        if self.options.dedupe_regions:
+            if dedupe_available():
+                patch["use_graph_deduplication"] = True
+            else:
+                self._log_once(
+                    "dedupe",
+                    "%s: this torch cannot compile repeated regions once (no "
+                    "torch._dynamo.config.use_graph_deduplication); each is compiled where it "
+                    "occurs",
+                    self.name,
+                )
+        if self.options.nested_breaks:
+            if nested_breaks_available():
+                patch["nested_graph_breaks"] = True
+            else:
+                self._log_once(
+                    "nested",
+                    "%s: this torch cannot resume a graph break in the function where it is "
+                    "(no torch._dynamo.config.nested_graph_breaks); the enclosing frames are "
+                    "traced again",
+                    self.name,
+                )
+        return cfg.patch(**patch) if patch else contextlib.nullcontext()
 
     def _log_once(self, reason: str, fmt: str, *fargs) -> None:
         if reason in self._logged:
@@ -1028,6 +1063,7 @@ def options_from_torch_compile(
         inductor_options=tuple(sorted(extra.items())),
         graph_passes=base.graph_passes,
         dedupe_regions=base.dedupe_regions,
+        nested_breaks=base.nested_breaks,
     )
     return opts, notes
 

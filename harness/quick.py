@@ -291,6 +291,13 @@ VARIANTS["graph_compiled_serial"] = _insert_model_node(
     compile="inductor",
     concurrent_controlnet=False,
 )
+# Compiled mode with dynamo resuming the graph break at the ControlNets' wait inside the UNet's
+# frame that waits (CNA_COMPILE_NESTED_BREAKS=1; off, it traces the enclosing frames again).
+# max_graphs 17, as above.
+VARIANTS["graph_compiled_nested"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=17, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_nested"] = {"CNA_COMPILE_NESTED_BREAKS": "1"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

@@ -71,6 +71,10 @@ DEDUPE_ENV = "CNA_COMPILE_DEDUP"
 # convolutions as matrix multiplies, Triton kernel configurations tuned by coordinate descent on
 # the first run, no epilogue fusion). Opt-in, to measure the step against the longer first run.
 TUNING_ENV = "CNA_COMPILE_TUNING"
+# 1: at the graph break where the UNet waits for the ControlNets' stream, dynamo resumes inside
+# the function that waits instead of tracing the UNet's enclosing frames again
+# (graphs.compiled.CompileOptions.nested_breaks). Opt-in: torch marks it experimental.
+NESTED_ENV = "CNA_COMPILE_NESTED_BREAKS"
 
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
@@ -113,7 +117,8 @@ def options_for(choice: str) -> CompileOptions | None:
     default for the attentions ComfyUI runs on flash attention first) the same way.
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
     of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once.
-    ``CNA_COMPILE_TUNING=1`` adds the inductor settings of diffusers' SD recipe."""
+    ``CNA_COMPILE_TUNING=1`` adds the inductor settings of diffusers' SD recipe.
+    ``CNA_COMPILE_NESTED_BREAKS=1`` resumes a graph break in the frame where it is."""
     base = CHOICES[choice]
     if base is None:
         return None
@@ -130,6 +135,8 @@ def options_for(choice: str) -> CompileOptions | None:
         base = dataclasses.replace(base, dynamic="dynamic")
     if os.environ.get(DEDUPE_ENV, "0").strip() == "1":
         base = dataclasses.replace(base, dedupe_regions=True)
+    if os.environ.get(NESTED_ENV, "0").strip() == "1":
+        base = dataclasses.replace(base, nested_breaks=True)
     if os.environ.get(TUNING_ENV, "0").strip() == "1":
         base = dataclasses.replace(
             base, inductor_options=(*base.inductor_options, *DIFFUSION_OPTIONS)

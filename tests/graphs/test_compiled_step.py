@@ -143,6 +143,17 @@ def test_tuning_switch_adds_the_diffusion_recipe_to_inductors_settings(monkeypat
     assert cs.options_for("inductor") == plain
 
 
+def test_nested_breaks_switch_is_its_own_setting(monkeypatch):
+    monkeypatch.delenv(cs.NESTED_ENV, raising=False)
+    plain = cs.options_for("inductor")
+    monkeypatch.setenv(cs.NESTED_ENV, "1")
+    nested = cs.options_for("inductor")
+    assert (plain.nested_breaks, nested.nested_breaks) == (False, True)
+    assert nested != plain and nested.inductor_config() == plain.inductor_config()
+    monkeypatch.setenv(cs.NESTED_ENV, "0")
+    assert cs.options_for("inductor") == plain
+
+
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
     allocator("native")
     opts = _tcm_options()

@@ -23,6 +23,7 @@ NEWER = {
         "graph_compiled_autotune",
         "graph_compiled_tuned",
         "graph_compiled_serial",
+        "graph_compiled_nested",
     )
 }
 

@@ -342,18 +342,22 @@ def _residuals_for(unet, x, t, ctx):
     return rand[:1], rand[1:]
 
 
+@pytest.mark.parametrize("nested", [False, True], ids=["enclosing-retraced", "nested-breaks"])
 def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts(
-    host, native, tiny_models, compile_backend
+    host, native, tiny_models, compile_backend, nested
 ):
     """The ControlNets beside the UNet in compiled mode (``concurrent_controlnet``): the
     residual dict waits for their stream when the UNet first reads a residual. Compiled, that
     wait is a call dynamo does not trace: ComfyUI's UNet compiles in parts with the wait run
     between them, once per call, at the middle block's residual (not before the input blocks);
-    a new dict of the same shapes runs the same compiled code; the output is the eager UNet's."""
+    a new dict of the same shapes runs the same compiled code; the output is the eager UNet's.
+    The same with dynamo resuming in the frame of the break (``nested_breaks``)."""
     import comfy.sd
 
     pack = sys.modules[host.pack_module_name]
     C, gd = pack.graphs.compiled, pack.nodes.graph_deferral
+    if nested and not C.nested_breaks_available():
+        pytest.skip("this torch has no nested_graph_breaks")
     model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
         str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
     )
@@ -384,9 +388,17 @@ def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts
         plain = {"input": [], "middle": list(middle), "output": list(output)}
         ref = unet._forward(x, t, context=ctx, control=plain, transformer_options={})
         bare = unet._forward(x, t, context=ctx, control=None, transformer_options={})
-    cm = C.CompiledModule(
-        unet, "UNet", C.CompileOptions(backend=compile_backend), method="_forward"
+    convs: list[int] = []  # convolutions in each graph handed to the backend, in order
+
+    def count_convs(gm):
+        convs.append(
+            sum(n.op == "call_function" and "conv" in str(n.target) for n in gm.graph.nodes)
+        )
+
+    opts = C.CompileOptions(
+        backend=compile_backend, nested_breaks=nested, graph_passes=(count_convs,)
     )
+    cm = C.CompiledModule(unet, "UNet", opts, method="_forward")
     with torch.no_grad():
         got = cm(x, t, context=ctx, control=control("e1"), transformer_options={})
         graphs = cm.graphs
@@ -394,8 +406,13 @@ def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts
     assert cm.compiles == 1 and not cm.failed and cm.eager_calls == 0, (cm.failed, cm.stats())
     assert graphs >= 2 and cm.graphs == graphs, (graphs, cm.graphs)  # parts; nothing recompiled
     # once per call, where the middle block's residual is read: the input blocks and the middle
-    # block run before it, beside the ControlNets
-    assert waits == [("e1", "middle"), ("e2", "middle")], waits
+    # block run before it, beside the ControlNets. Resumed in the nested frame, the wait is
+    # called from compiled code, not from a Python frame of apply_control; the graphs on each
+    # side of it say where it is.
+    assert [e for e, _ in waits] == ["e1", "e2"], waits
+    if not nested:
+        assert [at for _, at in waits] == ["middle", "middle"], waits
+    assert len(convs) == graphs and convs[0] > 0 and convs[-1] > 0, convs
     tol = C.PARITY_TOL[ref.dtype]  # relative L2: fused code keeps fp32 where eager rounds
     for out in (got, again):
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
