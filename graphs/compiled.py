@@ -7,7 +7,9 @@ structure) compiles; later calls with that signature run the compiled code; valu
 sigma, text conditioning, ControlNet strength passed as a tensor, weights re-patched by a LoRA)
 never compile again, because they are not part of the signature. Each signature gets its own
 compiled function (its own code object, so its own dynamo cache entry): at most
-``max_shapes`` are kept, least recently used go first, and evicting one frees its compiled code.
+``max_shapes`` are kept, least recently used go first, and evicting one frees its compiled code
+(not the parts dynamo keeps on the module's own functions past a graph break inside them; see
+``RECOMPILE_LIMIT``).
 
 Inductor's own CUDA graphs are always off (``triton.cudagraphs=False``): the pack's
 ``GraphCache`` captures the compiled kernels into its graphs, one graph per step.
