@@ -905,27 +905,33 @@ class CompiledModule:
             if hasattr(cfg, name):
                 patch[name] = max(getattr(cfg, name), RECOMPILE_LIMIT)
                 break
-        if self.options.dedupe_regions:
-            if dedupe_available():
-                patch["use_graph_deduplication"] = True
-            else:
+        wanted = (  # (asked for, this torch has it, dynamo's setting, what it does, else)
+            (
+                self.options.dedupe_regions,
+                dedupe_available(),
+                "use_graph_deduplication",
+                "compile repeated regions once",
+                "each is compiled where it occurs",
+            ),
+            (
+                self.options.nested_breaks,
+                nested_breaks_available(),
+                "nested_graph_breaks",
+                "resume a graph break in the function where it is",
+                "the enclosing frames are traced again",
+            ),
+        )
+        for asked, available, setting, does, instead in wanted:
+            if asked and available:
+                patch[setting] = True
+            elif asked:
                 self._log_once(
-                    "dedupe",
-                    "%s: this torch cannot compile repeated regions once (no "
-                    "torch._dynamo.config.use_graph_deduplication); each is compiled where it "
-                    "occurs",
+                    setting,
+                    "%s: this torch cannot %s (no torch._dynamo.config.%s); %s",
                     self.name,
-                )
-        if self.options.nested_breaks:
-            if nested_breaks_available():
-                patch["nested_graph_breaks"] = True
-            else:
-                self._log_once(
-                    "nested",
-                    "%s: this torch cannot resume a graph break in the function where it is "
-                    "(no torch._dynamo.config.nested_graph_breaks); the enclosing frames are "
-                    "traced again",
-                    self.name,
+                    does,
+                    setting,
+                    instead,
                 )
         return cfg.patch(**patch) if patch else contextlib.nullcontext()
 

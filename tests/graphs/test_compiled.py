@@ -1051,3 +1051,18 @@ def test_many_sizes_with_a_break_in_a_nested_frame_all_compile_whole(nested):
     assert not cm.failed, cm.failed
     assert cm.compiles == 12 and len(cm.entries) == 2
     assert min(made) >= 2 and len(set(made)) == 1, made  # every size: the graphs around the wait
+
+
+def test_without_nested_breaks_in_torch_one_line_says_so_and_it_still_compiles(monkeypatch, caplog):
+    monkeypatch.setattr(C, "nested_breaks_available", lambda: False)
+    torch._dynamo.reset()
+    net = _Net()  # held weakly by the compiled module
+    opts = C.CompileOptions(backend="eager", nested_breaks=True)
+    cm = C.CompiledModule(net, "UNet", opts)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        for n in (3, 4):  # two signatures, two traces: said once
+            x, r = torch.randn(n), torch.randn(n)
+            torch.testing.assert_close(cm(x, {"r": r}), (x * 2).sin().cos() + r + 1)
+    assert not cm.failed and cm.compiles == 2
+    said = [r.getMessage() for r in caplog.records if "nested_graph_breaks" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("UNet: this torch cannot resume"), said

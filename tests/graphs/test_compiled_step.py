@@ -115,15 +115,20 @@ def test_dynamic_shapes_switch_gives_other_settings(monkeypatch):
     assert cs.options_for("off") is None
 
 
-def test_region_dedupe_switch_gives_other_settings(monkeypatch):
-    monkeypatch.delenv(cs.DEDUPE_ENV, raising=False)
-    whole = cs.options_for("inductor")
-    monkeypatch.setenv(cs.DEDUPE_ENV, "1")
-    regions = cs.options_for("inductor")
-    assert (whole.dedupe_regions, regions.dedupe_regions) == (False, True)
-    assert regions != whole and regions.graph_passes == whole.graph_passes
-    monkeypatch.setenv(cs.DEDUPE_ENV, "0")
-    assert cs.options_for("inductor") == whole
+@pytest.mark.parametrize(
+    "env, field", [(cs.DEDUPE_ENV, "dedupe_regions"), (cs.NESTED_ENV, "nested_breaks")]
+)
+def test_dynamo_switches_give_settings_of_their_own(monkeypatch, env, field):
+    monkeypatch.delenv(env, raising=False)
+    plain = cs.options_for("inductor")
+    monkeypatch.setenv(env, "1")
+    on = cs.options_for("inductor")
+    assert (getattr(plain, field), getattr(on, field)) == (False, True)
+    assert on != plain  # kept apart per model (model_compile keys on the settings)
+    assert on.graph_passes == plain.graph_passes
+    assert on.inductor_config() == plain.inductor_config()
+    monkeypatch.setenv(env, "0")
+    assert cs.options_for("inductor") == plain
 
 
 def test_tuning_switch_adds_the_diffusion_recipe_to_inductors_settings(monkeypatch):
@@ -140,17 +145,6 @@ def test_tuning_switch_adds_the_diffusion_recipe_to_inductors_settings(monkeypat
     assert auto.mode == "max-autotune-no-cudagraphs"
     assert auto.inductor_options == tuned.inductor_options
     monkeypatch.setenv(cs.TUNING_ENV, "0")
-    assert cs.options_for("inductor") == plain
-
-
-def test_nested_breaks_switch_is_its_own_setting(monkeypatch):
-    monkeypatch.delenv(cs.NESTED_ENV, raising=False)
-    plain = cs.options_for("inductor")
-    monkeypatch.setenv(cs.NESTED_ENV, "1")
-    nested = cs.options_for("inductor")
-    assert (plain.nested_breaks, nested.nested_breaks) == (False, True)
-    assert nested != plain and nested.inductor_config() == plain.inductor_config()
-    monkeypatch.setenv(cs.NESTED_ENV, "0")
     assert cs.options_for("inductor") == plain
 
 
