@@ -69,6 +69,7 @@ def test_relayout_keeps_values_and_storage():
     assert not relayout_(w[:, :2], torch.channels_last)  # a view: left alone
 
 
+@pytest.mark.captures  # the option acts inside the graphs, which DynamicVRAM turns off
 def test_channels_last_matches_and_puts_the_weights_back(host, tiny_models):
     r = runner.Runner()
     plain = _run(r, WL, 21, VARIANTS["cuda_graph"])
@@ -86,6 +87,7 @@ def test_channels_last_matches_and_puts_the_weights_back(host, tiny_models):
             assert after[id(w)] == (p, s, c)  # same storage, same values, NCHW again
 
 
+@pytest.mark.captures  # the option acts inside the graphs, which DynamicVRAM turns off
 def test_interrupted_run_still_puts_the_weights_back(host, tiny_models):
     import comfy.model_management
 
@@ -114,6 +116,7 @@ def test_interrupted_run_still_puts_the_weights_back(host, tiny_models):
             assert after[id(w)] == (p, s, c)
 
 
+@pytest.mark.captures  # the option acts inside the graphs, which DynamicVRAM turns off
 def test_weights_comfyui_moves_are_left_in_its_layout(host, tiny_models, monkeypatch):
     """A ControlNet under DynamicVRAM (or lowvram) keeps ComfyUI's layout for the whole run:
     ComfyUI may refill those weights from its own copy as the run goes on. Here its network is

@@ -430,9 +430,10 @@ def test_a_dynamic_vram_model_passes_through_the_cuda_graph_node_untouched(
     pack = _pack(host)
     cg, compat, status = pack.nodes.cuda_graph, pack.nodes.compat, pack.nodes.status
     model = _loaded(tiny_models)
-    plain = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-plain")
-    assert plain is not model and plain.wrappers != model.wrappers  # a normal model: wrapped
-    model.is_dynamic = lambda: True  # a DynamicVRAM patcher, as 0.33 makes them on NVIDIA GPUs
+    if not compat.is_dynamic(model):  # DynamicVRAM off, or a ComfyUI without it
+        plain = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-plain")
+        assert plain is not model and plain.wrappers != model.wrappers  # a normal model: wrapped
+        model.is_dynamic = lambda: True  # a DynamicVRAM patcher, as 0.33 makes them on GPUs
     ksampler = "KSampler (CUDA Graph)"
     for name in ("CUDA Graph", ksampler):
         compat._warned.discard(f"graph:dynamic:{name}")

@@ -141,7 +141,11 @@ def test_cache_off_hands_back_the_same_controlnet(host, tiny_models, models_dir)
     ["hint", "strength", "resolution", "batch", "seed"],
 )
 def test_a_changed_input_never_sees_stale_features(host, tiny_models, change):
-    """Run A, then B, on the same loaded objects; B must equal B run in a fresh executor."""
+    """Run A, then B, on the same loaded objects; B must equal B run in a fresh executor.
+
+    Where stock itself does not repeat bit for bit between a used and a fresh executor, B may
+    differ from the fresh run by no more than a few times what stock's B does. Features left
+    from run A would differ by the size of the features themselves."""
     a_wl, a_hint, b_wl, b_hint = WL, 0, WL, 0
     if change == "hint":
         b_hint = 1
@@ -156,7 +160,18 @@ def test_a_changed_input_never_sees_stale_features(host, tiny_models, change):
     seed_b = 8 if change == "seed" else 7
     after = _run(r, b_wl, seed_b, EVERY3, hint=b_hint)
     fresh = _run(runner.Runner(), b_wl, seed_b, EVERY3, hint=b_hint)
-    assert torch.equal(after.latent, fresh.latent)
+    if torch.equal(after.latent, fresh.latent):
+        return
+    r = runner.Runner()
+    _run(r, a_wl, 7, None, hint=a_hint)
+    stock_after = _run(r, b_wl, seed_b, None, hint=b_hint)
+    stock_fresh = _run(runner.Runner(), b_wl, seed_b, None, hint=b_hint)
+    drift = (stock_after.latent.double() - stock_fresh.latent.double()).abs().max().item()
+    got = (after.latent.double() - fresh.latent.double()).abs().max().item()
+    assert 0 < drift and got <= 4 * drift, (
+        f"after other runs the cached run differs from a fresh one by {got:.3g}; "
+        f"stock's own run differs by {drift:.3g}"
+    )
 
 
 def test_memory_is_released_when_sampling_ends(host, tiny_models):
