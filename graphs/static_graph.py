@@ -161,6 +161,7 @@ class GraphCache:
         self._pool = None
         self._stream = None
         self.capturing = False  # True while fn runs for a capture (tests inject faults on it)
+        self.capturing_graph = None  # the CUDA graph being captured, while fn runs for it
         # Whether captures go through cudaMallocAsync (its failure handling differs).
         self.async_allocator = backend == "cuda" and _async_allocator()
         self.captures = 0
@@ -348,6 +349,7 @@ class GraphCache:
                     _note_async_failure(msg)
                 raise CaptureFailed(msg) from e
             self.capturing = True
+            self.capturing_graph = graph
             try:
                 out = fn(*entry.static_inputs)
             except BaseException as e:
@@ -355,12 +357,14 @@ class GraphCache:
                 tb = e.__traceback__
                 del e
                 self.capturing = False
+                self.capturing_graph = None
                 _end_failed_capture(graph, tb)
                 del tb
                 if self.async_allocator:
                     _note_async_failure(msg)
                 raise CaptureFailed(msg) from None
             self.capturing = False
+            self.capturing_graph = None
             try:
                 graph.capture_end()
             except Exception as e:

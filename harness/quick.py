@@ -298,6 +298,17 @@ VARIANTS["graph_compiled_nested"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=17, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_nested"] = {"CNA_COMPILE_NESTED_BREAKS": "1"}
+# The exact graphs with the text context's key and value projections run at every step, as
+# before they ran once per context (CNA_CONTEXT_HOIST=0). max_graphs 23: a node of its own.
+VARIANTS["cuda_graph_context_every_step"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=23, verify=False
+)
+VARIANT_ENV["cuda_graph_context_every_step"] = {"CNA_CONTEXT_HOIST": "0"}
+# ... and with them once per context (CNA_CONTEXT_HOIST=1). max_graphs 22.
+VARIANTS["cuda_graph_context_once"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=22, verify=False
+)
+VARIANT_ENV["cuda_graph_context_once"] = {"CNA_CONTEXT_HOIST": "1"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

@@ -24,13 +24,14 @@ the graph with or without that ControlNet, so inactive steps skip its compute as
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import is_out_of_memory
-from ..graphs import CaptureFailed
+from ..graphs import CaptureFailed, context_hoist
 from ..graphs.compiled import CompileOptions, untraced
 from ..graphs.hint_encoding import encode, encoder_of
 from ..logger import logger
@@ -57,6 +58,8 @@ from .graph_state import (  # noqa: F401  (_STATES, graph_stats: tests and tools
 from .step_plan import CACHE_FILL, FIRST_STEP, Plan, chain_of
 
 WRAPPER_KEY = "cna_cuda_graph"
+# $CNA_CONTEXT_HOIST when unset: "1" hoists the context projections (graphs/context_hoist.py)
+CONTEXT_HOIST_DEFAULT = "0"
 TIMED_REPLAYS = 4  # replayed calls per run timed with CUDA events for the badge
 
 
@@ -75,6 +78,10 @@ class GraphOptions:
     # Compiled mode (compiled_step.py): inductor's code for the UNet and ControlNets inside the
     # graphs. None: the eager kernels, exactly stock.
     compile: CompileOptions | None = None
+    # The cross-attentions' key and value projections of the text context run once per
+    # context, in a CUDA-graph IF node, instead of every step (graphs/context_hoist.py):
+    # bit-identical; eager graphs only. $CNA_CONTEXT_HOIST=0/1 turns it off/on.
+    context_hoist: bool = True
 
 
 def _supported_control_types() -> tuple[type, ...]:
@@ -328,6 +335,7 @@ class CudaGraphPatch:
             run.layout is not None,
             self.options.concurrent_controlnet,
             comp.options if comp is not None else None,
+            _hoists(self.options, comp, st),
         )
         with st.lock:
             plan = step_plan.plan(
@@ -372,6 +380,9 @@ class CudaGraphPatch:
                 entry = None
         if entry is not None:
             st.count("replays", run)
+            hoist = entry.extras.get("context_hoist")
+            if hoist is not None:
+                hoist.before_replay(st.run_id)
             fn = None  # a real replay runs no Python; the emulated one calls the function
             if cache.backend != "cuda":
                 fn = self._graph_fn(run, st, plan, executor, call, topts, kwargs, entry.extras)
@@ -406,6 +417,14 @@ class CudaGraphPatch:
                 _encode_hint(cn, h) for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
             ]
             e.extras["encoded_run"] = st.run_id
+            if _hoists(self.options, compiled_step.run_of(topts), st):
+                nets = [getattr(executor.class_obj, "diffusion_model", None)]
+                nets += [getattr(cn, "control_model", None) for cn in plan.chain]
+                e.extras["context_hoist"] = context_hoist.ContextProjections(
+                    context_hoist.cross_attention_weights(nets),
+                    lambda: cache.capturing_graph,
+                    st.run_id,
+                )
             cur_extras.update(e.extras)
 
         failure = None
@@ -436,8 +455,9 @@ class CudaGraphPatch:
         st.count("captures", run)
         plan.entry, plan.version, plan.inputs = entry, cache.version, []
         run.last = plan
+        hoist = entry.extras.get("context_hoist")
         logger.info(
-            "%s: captured graph %d/%d in %.2f s (%s, %d ControlNet(s)%s)",
+            "%s: captured graph %d/%d in %.2f s (%s, %d ControlNet(s)%s%s)",
             cache.name,
             len(cache.entries),
             cache.max_graphs,
@@ -445,6 +465,10 @@ class CudaGraphPatch:
             "x".join(map(str, x.shape)),
             len(plan.chain),
             "" if all(plan.active) else f", active {plan.active}",
+            ""
+            if hoist is None or not hoist.hoisted
+            else f", {hoist.hoisted} context projections once per context, "
+            f"{hoist.buffer_bytes() / 2**20:.1f} MiB",
         )
         return out
 
@@ -467,39 +491,41 @@ class CudaGraphPatch:
             kw = {k: by_name.get(k, v) for k, v in kwargs.items()}
             ctrl = side = None
             held: list[torch.Tensor] = []
+            hoist = extras.get("context_hoist")
             try:
-                if call is not None:
-                    _, _, cond, batched_number, call_topts = call.args
-                    cond_s = {
-                        k: by_name.get(f"cond.{k}", by_name.get(k, v)) for k, v in cond.items()
-                    }
-                    side = st.side_stream(by_name["x"]) if concurrent else None
-                    if side is not None:  # fork: the ControlNets wait for the step's inputs only
-                        side.wait_stream(torch.cuda.current_stream())
-                    ctl = call_topts.get(step_plan.STEP_KEY)
-                    overrides = _chain_overrides(plan.chain, plan.active, extras, comp, st)
-                    with overrides, on_stream(side):
-                        ctl.graph = True
-                        try:
-                            ctrl = call.control.get_control(
-                                by_name["x"], by_name["t"], cond_s, batched_number, call_topts
-                            )
-                        finally:
-                            ctl.graph = False
-                    if side is not None and isinstance(ctrl, dict):
-                        held = residual_tensors(ctrl)
-                        ev = torch.cuda.Event()
-                        ev.record(side)
-                        ctrl = _JoinOnUse(ctrl, ev, wait)
-                return executor(
-                    by_name["x"],
-                    by_name["t"],
-                    by_name.get("c_concat"),
-                    by_name.get("c_crossattn"),
-                    ctrl,
-                    topts,
-                    **kw,
-                )
+                with hoist.active() if hoist is not None else contextlib.nullcontext():
+                    if call is not None:
+                        _, _, cond, batched_number, call_topts = call.args
+                        cond_s = {
+                            k: by_name.get(f"cond.{k}", by_name.get(k, v)) for k, v in cond.items()
+                        }
+                        side = st.side_stream(by_name["x"]) if concurrent else None
+                        if side is not None:  # fork: the ControlNets wait for the inputs only
+                            side.wait_stream(torch.cuda.current_stream())
+                        ctl = call_topts.get(step_plan.STEP_KEY)
+                        overrides = _chain_overrides(plan.chain, plan.active, extras, comp, st)
+                        with overrides, on_stream(side):
+                            ctl.graph = True
+                            try:
+                                ctrl = call.control.get_control(
+                                    by_name["x"], by_name["t"], cond_s, batched_number, call_topts
+                                )
+                            finally:
+                                ctl.graph = False
+                        if side is not None and isinstance(ctrl, dict):
+                            held = residual_tensors(ctrl)
+                            ev = torch.cuda.Event()
+                            ev.record(side)
+                            ctrl = _JoinOnUse(ctrl, ev, wait)
+                    return executor(
+                        by_name["x"],
+                        by_name["t"],
+                        by_name.get("c_concat"),
+                        by_name.get("c_crossattn"),
+                        ctrl,
+                        topts,
+                        **kw,
+                    )
             finally:
                 # the Memory Pool's weights prepared ahead on their side streams join first
                 # (inside a capture, every forked stream must be joined before it ends)
@@ -702,3 +728,13 @@ def _on_detach(patcher, unpatch_all=True) -> None:
     if st is not None and st.cache.entries:
         with st.lock:
             st.release_all("model unloaded from the GPU")
+
+
+def _hoists(options: GraphOptions, comp, st) -> bool:
+    """Whether this model's graphs hoist the context projections (graphs/context_hoist.py)."""
+    import os
+
+    on = os.environ.get("CNA_CONTEXT_HOIST", CONTEXT_HOIST_DEFAULT) == "1"
+    if not (on and options.context_hoist) or comp is not None:
+        return False
+    return st.cache.backend != "cuda" or context_hoist.available() is None

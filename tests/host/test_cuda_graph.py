@@ -578,3 +578,67 @@ def test_badge_reports_host_time_and_the_plan_is_rebuilt_only_for_a_new_signatur
     assert 0 <= data["launch_ms_per_step"] < data["ms_per_step"], data
     # the replayed calls' own host time: no planning from scratch, no capture, no eager step
     assert 0 < data["host_ms_per_replay"] < data["host_ms_per_step"] * 8 / 6, data
+
+
+def _two_prompts(p, ids):
+    """The positive prompt for the first half of the steps, another for the second half: the
+    text context the graph receives changes mid-run, its shape does not."""
+    ckpt, pos = ids["ckpt"], ids["pos"]
+    p["90"] = {"class_type": "CLIPTextEncode", "inputs": {"text": "a red door", "clip": [ckpt, 1]}}
+    p["91"] = {
+        "class_type": "ConditioningSetTimestepRange",
+        "inputs": {"conditioning": [pos, 0], "start": 0.0, "end": 0.5},
+    }
+    p["92"] = {
+        "class_type": "ConditioningSetTimestepRange",
+        "inputs": {"conditioning": ["90", 0], "start": 0.5, "end": 1.0},
+    }
+    p["93"] = {
+        "class_type": "ConditioningCombine",
+        "inputs": {"conditioning_1": ["91", 0], "conditioning_2": ["92", 0]},
+    }
+    for nid, node in p.items():
+        if nid != "91":
+            for k, v in node["inputs"].items():
+                if v == [pos, 0]:
+                    node["inputs"][k] = ["93", 0]
+
+
+def _hoists(host, r) -> list:
+    """The context projections of every graph the workflow's model holds."""
+    gs = sys.modules[host.pack_module_name].nodes.graph_state
+    st = gs.existing_state(r.output_of(CKPT["ckpt"])[0].model)
+    return [e.extras.get("context_hoist") for e in st.cache.entries.values()]
+
+
+def test_the_context_projections_follow_a_prompt_that_changes_mid_run(
+    host, tiny_models, monkeypatch
+):
+    """The cross-attentions' key and value projections run once per text context inside the
+    graph: a prompt that changes at the middle step, and another prompt in the next run, must
+    give stock's result."""
+    monkeypatch.setenv("CNA_CONTEXT_HOIST", "1")
+    wl = wf.WORKLOADS["T2"].with_(steps=8)
+    r = runner.Runner()
+    stock, _, _ = _run(r, wl, 5, _two_prompts)
+    graph, _, _ = _run(r, wl, 5, _chain(_two_prompts, GRAPH))
+    _same(host, stock, graph)
+    d = badges.graph_counts(graph)
+    assert d["captures"] >= 1 and d["replays"] >= 6, d
+    hoists = [h for h in _hoists(host, r) if h is not None]
+    assert hoists, "no graph hoisted the context projections"
+    unet = r.output_of(CKPT["ckpt"])[0].model.diffusion_model
+    n_unet = len(
+        sys.modules[host.pack_module_name].graphs.context_hoist.cross_attention_weights([unet])
+    )
+    for h in hoists:  # the UNet's and both ControlNets' projections, answered from buffers
+        assert h.hoisted == sum(len(g.weights) for g in h.groups) > n_unet > 0, (h.hoisted, n_unet)
+        assert h.computed == 0
+
+    def other_prompt(p, ids):
+        p[ids["pos"]]["inputs"]["text"] = "a blue window"
+
+    stock, _, _ = _run(r, wl, 5, other_prompt)
+    graph, _, _ = _run(r, wl, 5, _chain(other_prompt, GRAPH))
+    _same(host, stock, graph)
+    assert badges.graph_counts(graph)["captures"] == 0  # same shapes: the same graphs replay

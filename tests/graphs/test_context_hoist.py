@@ -1,0 +1,215 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""The context's key and value projections, once per context (no ComfyUI needed).
+
+A toy network with the UNet's module names (``...attn2.to_k``) runs through ``GraphCache``:
+emulated on the CPU, captured into real CUDA graphs (IF nodes) on a GPU. Every result must be
+the plain network's bit for bit: the hoisted projection is the same matrix multiply on the
+same values, so there is no tolerance to allow.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from comfyui_controlnet_accelerator.graphs import GraphCache, context_hoist
+
+CUDA = torch.cuda.is_available()
+BACKENDS = ["emulate", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, dim, ctx_dim, in_place_consumer=False):
+        super().__init__()
+        self.to_q = torch.nn.Linear(dim, dim, bias=False)
+        self.to_k = torch.nn.Linear(ctx_dim, dim, bias=False)
+        self.to_v = torch.nn.Linear(ctx_dim, dim, bias=False)
+        self.in_place_consumer = in_place_consumer
+
+    def forward(self, x, context):
+        q, k, v = self.to_q(x), self.to_k(context), self.to_v(context)
+        if self.in_place_consumer:
+            k.mul_(0.5)
+        a = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return x + a @ v
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim, ctx_dim, **kw):
+        super().__init__()
+        self.attn1 = _Attention(dim, dim)
+        self.attn2 = _Attention(dim, ctx_dim, **kw)
+
+    def forward(self, x, context):
+        return self.attn2(self.attn1(x, x), context)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, dim=32, ctx_dim=24, depth=3, **kw):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(dim, ctx_dim, **kw) for _ in range(depth))
+
+    def forward(self, x, context):
+        for b in self.blocks:
+            x = b(x, context)
+        return x
+
+
+def _device(backend):
+    if backend == "cuda" and not CUDA:
+        pytest.skip("no CUDA device")
+    return "cuda" if backend == "cuda" else "cpu"
+
+
+def _setup(backend, net=None, dtype=torch.float32):
+    dev = _device(backend)
+    torch.manual_seed(0)
+    net = (net or _Net()).to(dev, dtype)
+    cache = GraphCache("hoist", backend=backend)
+    hoist = context_hoist.ContextProjections(
+        context_hoist.cross_attention_weights([net]), lambda: cache.capturing_graph, run_id=0
+    )
+
+    def fn(x, ctx):
+        with hoist.active(), torch.no_grad():  # ComfyUI samples under inference_mode
+            return net(x, ctx)
+
+    def step(x, ctx, run_id=0):
+        entry = cache.lookup("k")
+        if entry is not None:
+            hoist.before_replay(run_id)
+        return cache.run("k", fn, [x, ctx])
+
+    return net, hoist, step, dev
+
+
+@pytest.fixture
+def projections(monkeypatch):
+    """How many times each group's projections ran, read on the host after each step."""
+    calls = []
+    orig = context_hoist._Group.project
+
+    def project(self, x):
+        calls.append(id(self))
+        return orig(self, x)
+
+    monkeypatch.setattr(context_hoist._Group, "project", project)
+    return calls
+
+
+def test_only_the_cross_attentions_key_and_value_weights_are_taken():
+    net = _Net(depth=2)
+    net.blocks[1].attn2.to_v = torch.nn.Linear(24, 32, bias=True)  # a bias: left to F.linear
+    got = context_hoist.cross_attention_weights([net, None])
+    want = [net.blocks[0].attn2.to_k.weight, net.blocks[0].attn2.to_v.weight]
+    want.append(net.blocks[1].attn2.to_k.weight)
+    assert [id(w) for w in got] == [id(w) for w in want]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_projections_run_once_per_context_and_match_the_plain_network(backend, projections):
+    net, hoist, step, dev = _setup(backend)
+    g = torch.Generator(device=dev).manual_seed(1)
+    ctx_a = torch.randn(2, 7, 24, device=dev, generator=g)
+    ctx_b = torch.randn(2, 7, 24, device=dev, generator=g)
+    for i, ctx in enumerate([ctx_a] * 4 + [ctx_b] * 3 + [ctx_a]):
+        x = torch.randn(2, 16, 32, device=dev, generator=g)
+        out = step(x, ctx)
+        with torch.no_grad():
+            want = net(x, ctx)
+        assert torch.equal(out, want), i
+    assert len(hoist.groups) == 1 and len(hoist.groups[0].weights) == 6
+    if backend == "emulate":  # the host sees each decision: the changes only, after the capture
+        assert len(projections) == 1 + 1 + 1, projections
+        assert hoist.hoisted == 6 and hoist.computed == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_weight_changed_in_place_or_a_new_run_recomputes(backend, projections):
+    net, hoist, step, dev = _setup(backend)
+    g = torch.Generator(device=dev).manual_seed(2)
+    ctx = torch.randn(2, 7, 24, device=dev, generator=g)
+    x = torch.randn(2, 16, 32, device=dev, generator=g)
+    for _ in range(3):
+        step(x, ctx)
+    with torch.no_grad():
+        net.blocks[1].attn2.to_v.weight.mul_(1.5)  # same memory, new values (a LoRA)
+        want = net(x, ctx)
+    assert torch.equal(step(x, ctx), want)
+    n = len(projections)
+    hoist.groups[0].prev.fill_(0)  # whatever the GPU holds, a new run must project again
+    with torch.no_grad():
+        net.blocks[0].attn2.to_k.weight.copy_(net.blocks[0].attn2.to_k.weight)
+    assert torch.equal(step(x, ctx, run_id=1), want)
+    if backend == "emulate":
+        assert len(projections) == n + 1
+
+
+def test_a_sign_change_of_zero_counts_as_a_change(projections):
+    net, hoist, step, dev = _setup("emulate")
+    ctx = torch.zeros(1, 4, 24)
+    x = torch.randn(1, 8, 32)
+    step(x, ctx)
+    step(x, ctx)
+    n = len(projections)
+    step(x, -ctx)  # equal as numbers, other bits: projected again
+    assert len(projections) == n + 1
+
+
+def test_a_projection_written_in_place_downstream_is_left_as_it_is():
+    net, hoist, step, dev = _setup("emulate", _Net(in_place_consumer=True))
+    ctx = torch.randn(2, 7, 24)
+    for _ in range(3):
+        x = torch.randn(2, 16, 32)
+        out = step(x, ctx)
+        with torch.no_grad():
+            want = net(x, ctx)
+        assert torch.equal(out, want)
+    assert [len(g.weights) for g in hoist.groups] == [3]  # the values only
+    assert hoist.hoisted == 3 and hoist.computed == 3
+
+
+def test_a_weight_applied_to_two_inputs_is_left_as_it_is():
+    class TwoContexts(_Net):
+        def forward(self, x, context):
+            x = super().forward(x, context)
+            return x + self.blocks[0].attn2.to_k(context * 2).mean()
+
+    net, hoist, step, dev = _setup("emulate", TwoContexts())
+    ctx = torch.randn(2, 7, 24)
+    for _ in range(3):
+        x = torch.randn(2, 16, 32)
+        out = step(x, ctx)
+        with torch.no_grad():
+            want = net(x, ctx)
+        assert torch.equal(out, want)
+    assert [len(g.weights) for g in hoist.groups] == [5]
+    assert hoist.hoisted == 5 and hoist.computed == 2
+
+
+def test_an_input_larger_than_a_text_context_is_left_as_it_is(monkeypatch):
+    monkeypatch.setattr(context_hoist, "MAX_CONTEXT_ELEMENTS", 100)
+    net, hoist, step, dev = _setup("emulate")
+    ctx = torch.randn(2, 7, 24)
+    x = torch.randn(2, 16, 32)
+    for _ in range(2):
+        out = step(x, ctx)
+    with torch.no_grad():
+        assert torch.equal(out, net(x, ctx))
+    assert hoist.groups == [] and hoist.hoisted == 0
+
+
+@pytest.mark.cuda
+def test_fp16_projections_in_a_cuda_graph_are_bit_identical():
+    if not CUDA:
+        pytest.skip("no CUDA device")
+    if context_hoist.available() is not None:
+        pytest.skip(context_hoist.available())
+    net, hoist, step, dev = _setup("cuda", _Net(dim=640, ctx_dim=2048, depth=2), torch.float16)
+    g = torch.Generator(device=dev).manual_seed(3)
+    ctxs = [torch.randn(2, 77, 2048, device=dev, generator=g, dtype=torch.float16) for _ in "ab"]
+    for ctx in (ctxs[0], ctxs[0], ctxs[1], ctxs[1], ctxs[0]):
+        x = torch.randn(2, 256, 640, device=dev, generator=g, dtype=torch.float16)
+        out = step(x, ctx)
+        with torch.no_grad():
+            want = net(x, ctx)
+        assert torch.equal(out, want)
