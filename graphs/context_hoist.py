@@ -145,6 +145,7 @@ class ContextProjections:
         self._group_of: dict[int, _Group] = {}
         self._seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._versions: int | None = None
+        self._counted: list[torch.Tensor] = []
         self.run_id = run_id  # the sampling run whose projections the buffers hold
         self.hoisted = 0  # projections answered from a buffer in the last pass
         self.computed = 0  # projections of known weights that ran as usual in it
@@ -234,11 +235,13 @@ class ContextProjections:
             self.groups.append(g)
             for w in ws:
                 self._group_of[id(w)] = g
+        # inference tensors keep no write counter: only the others are read before each replay
+        self._counted = [w for g in self.groups for w in g.weights if not w.is_inference()]
         self._versions = self._weight_versions()
 
     # -- between replays -----------------------------------------------------------------------
     def _weight_versions(self) -> int:
-        return sum(_version(w) for g in self.groups for w in g.weights)
+        return sum(w._version for w in self._counted)
 
     def before_replay(self, run_id: object) -> None:
         """Force the projections at the next replay when a new sampling run begins or a weight

@@ -25,6 +25,7 @@ the graph with or without that ControlNet, so inactive steps skip its compute as
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -58,7 +59,9 @@ from .graph_state import (  # noqa: F401  (_STATES, graph_stats: tests and tools
 from .step_plan import CACHE_FILL, FIRST_STEP, Plan, chain_of
 
 WRAPPER_KEY = "cna_cuda_graph"
-# $CNA_CONTEXT_HOIST when unset: "1" hoists the context projections (graphs/context_hoist.py)
+# $CNA_CONTEXT_HOIST when unset. "1": the cross-attentions' key and value projections of the
+# text context run once per context, in a CUDA-graph IF node, instead of every step
+# (graphs/context_hoist.py; bit-identical; eager graphs only).
 CONTEXT_HOIST_DEFAULT = "0"
 TIMED_REPLAYS = 4  # replayed calls per run timed with CUDA events for the badge
 
@@ -78,10 +81,6 @@ class GraphOptions:
     # Compiled mode (compiled_step.py): inductor's code for the UNet and ControlNets inside the
     # graphs. None: the eager kernels, exactly stock.
     compile: CompileOptions | None = None
-    # The cross-attentions' key and value projections of the text context run once per
-    # context, in a CUDA-graph IF node, instead of every step (graphs/context_hoist.py):
-    # bit-identical; eager graphs only. $CNA_CONTEXT_HOIST=0/1 turns it off/on.
-    context_hoist: bool = True
 
 
 def _supported_control_types() -> tuple[type, ...]:
@@ -335,7 +334,7 @@ class CudaGraphPatch:
             run.layout is not None,
             self.options.concurrent_controlnet,
             comp.options if comp is not None else None,
-            _hoists(self.options, comp, st),
+            _hoists(comp, st),
         )
         with st.lock:
             plan = step_plan.plan(
@@ -417,7 +416,7 @@ class CudaGraphPatch:
                 _encode_hint(cn, h) for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
             ]
             e.extras["encoded_run"] = st.run_id
-            if _hoists(self.options, compiled_step.run_of(topts), st):
+            if _hoists(compiled_step.run_of(topts), st):
                 nets = [getattr(executor.class_obj, "diffusion_model", None)]
                 nets += [getattr(cn, "control_model", None) for cn in plan.chain]
                 e.extras["context_hoist"] = context_hoist.ContextProjections(
@@ -730,11 +729,8 @@ def _on_detach(patcher, unpatch_all=True) -> None:
             st.release_all("model unloaded from the GPU")
 
 
-def _hoists(options: GraphOptions, comp, st) -> bool:
-    """Whether this model's graphs hoist the context projections (graphs/context_hoist.py)."""
-    import os
-
-    on = os.environ.get("CNA_CONTEXT_HOIST", CONTEXT_HOIST_DEFAULT) == "1"
-    if not (on and options.context_hoist) or comp is not None:
+def _hoists(comp, st) -> bool:
+    """Whether this model's graphs hoist the context projections (``CONTEXT_HOIST_DEFAULT``)."""
+    if os.environ.get("CNA_CONTEXT_HOIST", CONTEXT_HOIST_DEFAULT) != "1" or comp is not None:
         return False
     return st.cache.backend != "cuda" or context_hoist.available() is None

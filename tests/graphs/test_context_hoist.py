@@ -82,6 +82,16 @@ def _setup(backend, net=None, dtype=torch.float32):
     return net, hoist, step, dev
 
 
+def _three_steps_match(net, step):
+    """Three steps on one context, each the plain network's result bit for bit."""
+    ctx = torch.randn(2, 7, 24)
+    for _ in range(3):
+        x = torch.randn(2, 16, 32)
+        out = step(x, ctx)
+        with torch.no_grad():
+            assert torch.equal(out, net(x, ctx))
+
+
 @pytest.fixture
 def projections(monkeypatch):
     """How many times each group's projections ran, read on the host after each step."""
@@ -157,13 +167,7 @@ def test_a_sign_change_of_zero_counts_as_a_change(projections):
 
 def test_a_projection_written_in_place_downstream_is_left_as_it_is():
     net, hoist, step, dev = _setup("emulate", _Net(in_place_consumer=True))
-    ctx = torch.randn(2, 7, 24)
-    for _ in range(3):
-        x = torch.randn(2, 16, 32)
-        out = step(x, ctx)
-        with torch.no_grad():
-            want = net(x, ctx)
-        assert torch.equal(out, want)
+    _three_steps_match(net, step)
     assert [len(g.weights) for g in hoist.groups] == [3]  # the values only
     assert hoist.hoisted == 3 and hoist.computed == 3
 
@@ -175,13 +179,7 @@ def test_a_weight_applied_to_two_inputs_is_left_as_it_is():
             return x + self.blocks[0].attn2.to_k(context * 2).mean()
 
     net, hoist, step, dev = _setup("emulate", TwoContexts())
-    ctx = torch.randn(2, 7, 24)
-    for _ in range(3):
-        x = torch.randn(2, 16, 32)
-        out = step(x, ctx)
-        with torch.no_grad():
-            want = net(x, ctx)
-        assert torch.equal(out, want)
+    _three_steps_match(net, step)
     assert [len(g.weights) for g in hoist.groups] == [5]
     assert hoist.hoisted == 5 and hoist.computed == 2
 
