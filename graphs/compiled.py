@@ -110,6 +110,17 @@ _RECOMPILES = {"static": 0, "dynamic": 2}
 RECOMPILE_LIMIT = 64
 
 
+# A hook of the compile backend: ``lift(gm, example_inputs, target)`` may return a copy of the
+# traced graph in which some of its work became new inputs (appended to its placeholders), as
+# ``(the copy, their example inputs, wrap, a line for the log)``, where ``wrap(compiled)`` is
+# the callable handed back to dynamo (it computes the new inputs and calls the compiled code
+# with them); or None. graphs/context_hoist.py's ``CompiledProjections.lift``.
+Lift = Callable[
+    [torch.fx.GraphModule, list, object],
+    "tuple[torch.fx.GraphModule, list, Callable, str] | None",
+]
+
+
 class CompileNotReady(RuntimeError):
     """A call needs a compile where none may run (CUDA graph capture, ``no_compile()``)."""
 
@@ -127,7 +138,10 @@ class CompileOptions:
     or None. A pass that raises fails that compile (the signature then runs eager).
     ``dedupe_regions``: each repeated region compiled once (dynamo's graph deduplication).
     ``nested_breaks``: at a graph break inside an inlined function, dynamo resumes in that
-    function instead of tracing the enclosing frames again (its ``nested_graph_breaks``)."""
+    function instead of tracing the enclosing frames again (its ``nested_graph_breaks``).
+    ``lift_context``: compiled with the cross-attentions' context projections taken out of the
+    graphs (their owner gives the cache its ``lift`` hook: graphs/context_hoist.py); a field
+    here so that code compiled with and without them is kept apart."""
 
     mode: str = "default"
     dynamic: str = "static"
@@ -138,6 +152,7 @@ class CompileOptions:
     graph_passes: tuple[Callable[[torch.fx.GraphModule], str | None], ...] = ()
     dedupe_regions: bool = False
     nested_breaks: bool = False
+    lift_context: bool = False
 
     def __post_init__(self):
         for field, value, allowed in (
@@ -572,7 +587,9 @@ class CompiledModule:
     docstring. ``name`` appears in logs and progress events. ``on_progress(CompileProgress)``
     is called during compiles; its exceptions are ignored. ``method``: compile and call this
     method of the module instead of calling the module (e.g. a forward body that a host's
-    wrappers call, so the wrappers themselves stay outside the compiled code)."""
+    wrappers call, so the wrappers themselves stay outside the compiled code). ``lift``: a hook
+    that may take work out of each traced graph before inductor compiles it, as new inputs of
+    the graph (``Lift``); static shapes only."""
 
     def __init__(
         self,
@@ -583,6 +600,7 @@ class CompiledModule:
         max_shapes: int = 4,
         on_progress: Callable[[CompileProgress], None] | None = None,
         method: str | None = None,
+        lift: Lift | None = None,
     ):
         if max_shapes < 1:
             raise ValueError("max_shapes must be at least 1")
@@ -595,6 +613,7 @@ class CompiledModule:
         self.options = options or CompileOptions()
         self.max_shapes = max_shapes
         self.on_progress = on_progress
+        self.lift = lift
         self.entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self.failed: dict[Hashable, str] = {}
         self._logged: set[str] = set()
@@ -641,6 +660,7 @@ class CompiledModule:
             max_shapes=self.max_shapes,
             on_progress=self.on_progress,
             method=self.method,
+            lift=self.lift,
         )
 
     def is_compiled(self, *args, **kwargs) -> bool:
@@ -868,12 +888,21 @@ class CompiledModule:
                     logger.info(
                         "%s: %s, graph %d%s: %s", self.name, label, self.graphs, where, said
                     )
+        wrap = None
+        if self.lift is not None and self.options.dynamic == "static" and len(graphs) == 1:
+            lifted = self.lift(gm, example_inputs, self.target)
+            if lifted is not None:
+                gm, extra, wrap, said = lifted
+                example_inputs = [*example_inputs, *extra]
+                logger.info("%s: %s, graph %d: %s", self.name, label, self.graphs, said)
         if self.options.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
             out = compile_fx(gm, example_inputs, config_patches=self.options.inductor_config())
         else:
             out = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
+        if wrap is not None:
+            out = wrap(out)
         done = time.perf_counter()
         self.backend_s += done - started
         self._progress("lowered", label, done - t0, self.graphs)
@@ -1072,6 +1101,7 @@ def options_from_torch_compile(
         graph_passes=base.graph_passes,
         dedupe_regions=base.dedupe_regions,
         nested_breaks=base.nested_breaks,
+        lift_context=base.lift_context,
     )
     return opts, notes
 
@@ -1090,6 +1120,7 @@ class CompileCache:
         max_modules: int = 8,
         max_shapes: int = 4,
         on_progress: Callable[[CompileProgress], None] | None = None,
+        lift: Lift | None = None,
     ):
         if max_modules < 1:
             raise ValueError("max_modules must be at least 1")
@@ -1097,6 +1128,7 @@ class CompileCache:
         self.max_modules = max_modules
         self.max_shapes = max_shapes
         self.on_progress = on_progress
+        self.lift = lift  # given to every CompiledModule it makes
         self._mods: OrderedDict[tuple, tuple[weakref.ref, CompiledModule]] = OrderedDict()
 
     def get(self, module: torch.nn.Module, name: str, method: str | None = None) -> CompiledModule:
@@ -1116,6 +1148,7 @@ class CompileCache:
             max_shapes=self.max_shapes,
             on_progress=self.on_progress,
             method=method,
+            lift=self.lift,
         )
         self._mods[key] = (weakref.ref(module), cm)
         while len(self._mods) > self.max_modules:
@@ -1142,4 +1175,5 @@ class CompileCache:
             max_modules=self.max_modules,
             max_shapes=self.max_shapes,
             on_progress=self.on_progress,
+            lift=self.lift,
         )

@@ -309,6 +309,12 @@ VARIANTS["cuda_graph_context_once"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=22, verify=False
 )
 VARIANT_ENV["cuda_graph_context_once"] = {"CNA_CONTEXT_HOIST": "1"}
+# Compiled mode with the context projections lifted out of the compiled code and run once per
+# context (CNA_CONTEXT_HOIST=1), against graph_compiled. max_graphs 16.
+VARIANTS["graph_compiled_context_once"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=16, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_context_once"] = {"CNA_CONTEXT_HOIST": "1"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

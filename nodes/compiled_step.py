@@ -51,6 +51,7 @@ from ..graphs.compiled import (
     compile_cache_dir,
     options_from_torch_compile,
 )
+from ..graphs.context_hoist import CompiledProjections
 from ..kernels import attention_choice, fx_rewrites
 from ..kernels.fx_rewrites import GroupNormRewrite
 from ..logger import logger
@@ -75,6 +76,16 @@ TUNING_ENV = "CNA_COMPILE_TUNING"
 # the function that waits instead of tracing the UNet's enclosing frames again
 # (graphs.compiled.CompileOptions.nested_breaks). Opt-in: torch marks it experimental.
 NESTED_ENV = "CNA_COMPILE_NESTED_BREAKS"
+# "1": the cross-attentions' key and value projections of the text context run once per
+# context, in a CUDA-graph IF node, instead of every step (graphs/context_hoist.py): in the
+# exact graphs (bit-identical) and in compiled mode (lifted out of the compiled code). The
+# default when $CNA_CONTEXT_HOIST is unset.
+CONTEXT_HOIST_ENV = "CNA_CONTEXT_HOIST"
+CONTEXT_HOIST_DEFAULT = "0"
+
+
+def context_hoist_on() -> bool:
+    return os.environ.get(CONTEXT_HOIST_ENV, CONTEXT_HOIST_DEFAULT).strip() == "1"
 
 
 # Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
@@ -118,7 +129,8 @@ def options_for(choice: str) -> CompileOptions | None:
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
     of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once.
     ``CNA_COMPILE_TUNING=1`` adds the inductor settings of diffusers' SD recipe.
-    ``CNA_COMPILE_NESTED_BREAKS=1`` resumes a graph break in the frame where it is."""
+    ``CNA_COMPILE_NESTED_BREAKS=1`` resumes a graph break in the frame where it is.
+    ``CNA_CONTEXT_HOIST=1`` lifts the context projections out of the compiled graphs."""
     base = CHOICES[choice]
     if base is None:
         return None
@@ -141,6 +153,8 @@ def options_for(choice: str) -> CompileOptions | None:
         base = dataclasses.replace(
             base, inductor_options=(*base.inductor_options, *DIFFUSION_OPTIONS)
         )
+    if context_hoist_on():
+        base = dataclasses.replace(base, lift_context=True)
     backend = os.environ.get(BACKEND_ENV)
     if backend:
         base = dataclasses.replace(base, backend=backend)  # CompileOptions validates it
@@ -169,7 +183,14 @@ class ModelCompile:
 
     def __init__(self, options: CompileOptions):
         self.options = options
-        self.cache = CompileCache(options, max_modules=MAX_MODULES, max_shapes=MAX_SHAPES)
+        # the context projections lifted out of every compiled network of the model
+        self.projections = CompiledProjections() if options.lift_context else None
+        self.cache = CompileCache(
+            options,
+            max_modules=MAX_MODULES,
+            max_shapes=MAX_SHAPES,
+            lift=self.projections.lift if self.projections is not None else None,
+        )
         # network -> its stand-in, stable across calls (the Feature Cache keys its buffer
         # pools by the network object it is handed)
         self.nets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -364,6 +385,11 @@ def diffusion_model_wrapper(executor, *args, **kwargs):
 
 
 _LOGGED: set = set()  # messages said once per process (bounded by the distinct settings seen)
+
+
+def log_once(key, fmt: str, *args) -> None:
+    """One INFO line per ``key`` and process (later ones at DEBUG)."""
+    _log_once(key, fmt, *args)
 
 
 def _log_once(key, fmt: str, *args) -> None:

@@ -25,7 +25,6 @@ the graph with or without that ControlNet, so inactive steps skip its compute as
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 
@@ -59,10 +58,6 @@ from .graph_state import (  # noqa: F401  (_STATES, graph_stats: tests and tools
 from .step_plan import CACHE_FILL, FIRST_STEP, Plan, chain_of
 
 WRAPPER_KEY = "cna_cuda_graph"
-# $CNA_CONTEXT_HOIST when unset. "1": the cross-attentions' key and value projections of the
-# text context run once per context, in a CUDA-graph IF node, instead of every step
-# (graphs/context_hoist.py; bit-identical; eager graphs only).
-CONTEXT_HOIST_DEFAULT = "0"
 TIMED_REPLAYS = 4  # replayed calls per run timed with CUDA events for the badge
 
 
@@ -416,7 +411,8 @@ class CudaGraphPatch:
                 _encode_hint(cn, h) for cn, h in zip(plan.chain, e.extras["hint"], strict=True)
             ]
             e.extras["encoded_run"] = st.run_id
-            if _hoists(compiled_step.run_of(topts), st):
+            comp = compiled_step.run_of(topts)
+            if _hoists(comp, st):
                 nets = [getattr(executor.class_obj, "diffusion_model", None)]
                 nets += [getattr(cn, "control_model", None) for cn in plan.chain]
                 e.extras["context_hoist"] = context_hoist.ContextProjections(
@@ -424,6 +420,12 @@ class CudaGraphPatch:
                     lambda: cache.capturing_graph,
                     st.run_id,
                 )
+            elif comp is not None and comp.model.projections is not None:
+                # the projections lifted out of the compiled networks (one set per model)
+                # (whatever this run's first calls find in their buffers is projected anew)
+                comp.model.projections.capturing_graph = lambda: cache.capturing_graph
+                comp.model.projections.before_replay(st.run_id)
+                e.extras["context_hoist"] = comp.model.projections
             cur_extras.update(e.extras)
 
         failure = None
@@ -730,7 +732,15 @@ def _on_detach(patcher, unpatch_all=True) -> None:
 
 
 def _hoists(comp, st) -> bool:
-    """Whether this model's graphs hoist the context projections (``CONTEXT_HOIST_DEFAULT``)."""
-    if os.environ.get("CNA_CONTEXT_HOIST", CONTEXT_HOIST_DEFAULT) != "1" or comp is not None:
+    """Whether this model's exact graphs hoist the context projections
+    (``compiled_step.context_hoist_on``; compiled mode lifts them out of its compiled code)."""
+    if not compiled_step.context_hoist_on() or comp is not None:
         return False
-    return st.cache.backend != "cuda" or context_hoist.available() is None
+    if st.cache.backend != "cuda":
+        return True
+    why = context_hoist.available()
+    if why is not None:
+        compiled_step.log_once(
+            ("hoist", why), "CUDA Graph: the context projections run at every step: %s", why
+        )
+    return why is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from comfyui_controlnet_accelerator.graphs import GraphCache, context_hoist
+from comfyui_controlnet_accelerator.graphs import compiled as C
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["emulate", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -211,3 +212,142 @@ def test_fp16_projections_in_a_cuda_graph_are_bit_identical():
         with torch.no_grad():
             want = net(x, ctx)
         assert torch.equal(out, want)
+
+
+# -- compiled mode: the projections lifted out of the compiled graph ------------------------------
+
+
+def _compiled_setup(backend, tmp_path, net=None, dtype=torch.float32, lift=True):
+    """The toy network compiled (``aot_eager`` on the CPU: dynamo traces, the backend hook
+    rewrites, nothing is generated; inductor on a GPU) and run inside ``GraphCache``."""
+    dev = _device(backend)
+    torch.manual_seed(0)
+    net = (net or _Net()).to(dev, dtype).requires_grad_(False)
+    cache = GraphCache("hoist-compiled", backend=backend)
+    owner = context_hoist.CompiledProjections(lambda: cache.capturing_graph)
+    opts = C.CompileOptions(
+        backend="inductor" if backend == "cuda" else "aot_eager", cache_dir=str(tmp_path)
+    )
+    cm = C.CompiledModule(net, "net", opts, lift=owner.lift if lift else None)
+
+    def fn(x, ctx):
+        with owner.active(), torch.no_grad():
+            return cm(x, ctx)
+
+    def step(x, ctx, run_id=0):
+        owner.before_replay(run_id)  # the node: before each replay, and before a capture
+        return cache.run("k", fn, [x, ctx], compile_first=True)
+
+    return net, owner, cm, step, dev
+
+
+@pytest.fixture
+def lifted_projections(monkeypatch):
+    """How many times each lifted group's projections ran, read on the host after each step."""
+    calls = []
+    orig = context_hoist._Lifted.project
+
+    def project(self, x, weights):
+        calls.append(id(self))
+        return orig(self, x, weights)
+
+    monkeypatch.setattr(context_hoist._Lifted, "project", project)
+    return calls
+
+
+def _lifted_counts(owner) -> list[int]:
+    return [len(g.buffers) for g in owner.groups()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_projections_are_lifted_out_and_run_once_per_context(
+    backend, tmp_path, lifted_projections
+):
+    net, owner, cm, step, dev = _compiled_setup(backend, tmp_path)
+    g = torch.Generator(device=dev).manual_seed(1)
+    ctx_a = torch.randn(2, 7, 24, device=dev, generator=g)
+    ctx_b = torch.randn(2, 7, 24, device=dev, generator=g)
+    for i, ctx in enumerate([ctx_a] * 4 + [ctx_b] * 3 + [ctx_a]):
+        x = torch.randn(2, 16, 32, device=dev, generator=g)
+        out = step(x, ctx)
+        with torch.no_grad():
+            want = net(x, ctx)
+        if backend == "emulate":  # the traced graph runs the same ops: bit for bit
+            assert torch.equal(out, want), i
+        else:  # inductor's fused code (fp32 here): within float rounding
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    assert cm.compiles == 1 and not cm.failed, cm.failed
+    assert _lifted_counts(owner) == [6]  # the 3 blocks' key and value projections, one context
+    assert owner.hoisted == 6 and owner.computed == 0
+    if backend == "emulate":  # the first call, then one per change of context
+        assert len(lifted_projections) == 1 + 1 + 1, lifted_projections
+
+
+def test_compiled_projections_follow_a_weight_changed_in_place_and_a_new_run(
+    tmp_path, lifted_projections
+):
+    net, owner, cm, step, dev = _compiled_setup("emulate", tmp_path)
+    ctx = torch.randn(2, 7, 24)
+    x = torch.randn(2, 16, 32)
+    for _ in range(3):
+        step(x, ctx)
+    n = len(lifted_projections)
+    with torch.no_grad():
+        net.blocks[1].attn2.to_v.weight.mul_(1.5)  # same memory, new values (a LoRA)
+        want = net(x, ctx)
+    assert torch.equal(step(x, ctx), want)
+    assert len(lifted_projections) == n + 1
+    owner.groups()[0].prev.fill_(0)  # whatever the buffers hold, a new run projects again
+    step(x, ctx)
+    assert torch.equal(step(x, ctx, run_id=1), want)
+    assert len(lifted_projections) == n + 3
+
+
+def test_compiled_projections_written_in_place_or_shared_stay_in_the_graph(tmp_path):
+    """A key written in place downstream, and a weight applied to a second input, stay the
+    compiled graph's own; the rest is lifted and the result is unchanged."""
+
+    class TwoContexts(_Net):
+        def forward(self, x, context):
+            x = super().forward(x, context)
+            return x + self.blocks[0].attn2.to_v(context * 2).mean()
+
+    for net, lifted in ((_Net(in_place_consumer=True), [3]), (TwoContexts(), [5])):
+        net, owner, cm, step, dev = _compiled_setup("emulate", tmp_path, net)
+        _three_steps_match(net, step)
+        assert _lifted_counts(owner) == lifted and not cm.failed
+
+
+def test_compiled_projections_left_in_place_with_dynamic_shapes_or_without_the_hook(tmp_path):
+    net, owner, cm, step, dev = _compiled_setup("emulate", tmp_path, lift=False)
+    _three_steps_match(net, step)
+    assert owner.groups() == [] and cm.compiles == 1
+    net, owner, cm, step, dev = _compiled_setup("emulate", tmp_path)
+    cm.options = C.CompileOptions(backend="aot_eager", dynamic="dynamic")
+    _three_steps_match(net, step)
+    assert owner.groups() == [] and cm.compiles == 1
+
+
+@pytest.mark.cuda
+def test_fp16_compiled_projections_in_a_cuda_graph_match_the_compiled_code_without_them(
+    tmp_path,
+):
+    """Inductor's code with the projections lifted out, captured with the IF node, against the
+    same network compiled with them inside, captured plainly: the same matrix multiplies on the
+    same values, so bit for bit."""
+    if not CUDA:
+        pytest.skip("no CUDA device")
+    if context_hoist.available() is not None:
+        pytest.skip(context_hoist.available())
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        pytest.skip("compiled code is captured under PyTorch's native allocator only")
+    big = dict(dim=640, ctx_dim=2048, depth=2)
+    net, owner, cm, step, dev = _compiled_setup("cuda", tmp_path, _Net(**big), torch.float16)
+    _, _, cm0, plain, _ = _compiled_setup("cuda", tmp_path, net, torch.float16, lift=False)
+    g = torch.Generator(device=dev).manual_seed(3)
+    ctxs = [torch.randn(2, 77, 2048, device=dev, generator=g, dtype=torch.float16) for _ in "ab"]
+    for i, ctx in enumerate((ctxs[0], ctxs[0], ctxs[1], ctxs[1], ctxs[0])):
+        x = torch.randn(2, 256, 640, device=dev, generator=g, dtype=torch.float16)
+        assert torch.equal(step(x, ctx, run_id=0), plain(x, ctx)), i
+    assert _lifted_counts(owner) == [4] and owner.hoisted == 4
+    assert not cm.failed and not cm0.failed

@@ -71,7 +71,9 @@ def _run(r, wl, seed, extra=None):
 
 
 def _graph(**inputs):
-    return _insert_model_node("CNA_CUDAGraph", enabled=True, max_graphs=8, verify=False, **inputs)
+    return _insert_model_node(
+        "CNA_CUDAGraph", **{"enabled": True, "max_graphs": 8, "verify": False, **inputs}
+    )
 
 
 def _badge(host, p, class_type="CNA_CUDAGraph") -> dict:
@@ -427,6 +429,66 @@ def test_compiled_controlnets_before_the_unet_match_stock(host, native, tiny_mod
     the UNet's on one stream (on by default, and on a GPU, it runs on the side stream, which the
     other tests here cover); the run matches stock within the exact bar."""
     _compiled_run_matches_stock(host, 23, concurrent_controlnet=False)
+
+
+def test_compiled_mode_lifts_the_context_projections_and_follows_a_prompt_change(
+    host, native, tiny_models, monkeypatch
+):
+    """``CNA_CONTEXT_HOIST=1`` in compiled mode: the cross-attentions' key and value projections
+    are taken out of the UNet's and both ControlNets' compiled graphs and run once per text
+    context. A prompt that changes at the middle step, and another prompt in the next run, must
+    give stock's result: on the CPU (``aot_eager`` runs the traced ops as they are) bit for bit,
+    which a stale projection would break; on a GPU within the exact bar, and within 90 dB of
+    compiled mode with the projections inside the compiled code (the same matrix multiplies;
+    projections kept from the first prompt put the tiny models' latent near 66 dB)."""
+    from tests.host.test_cuda_graph import CKPT, _two_prompts
+
+    monkeypatch.setenv("CNA_CONTEXT_HOIST", "1")
+    pack = sys.modules[host.pack_module_name]
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T2"].with_(steps=8)
+
+    def same(a, b):
+        if host.cpu:
+            assert torch.equal(a.latent, b.latent), runner.psnr(a.latent, b.latent)
+        else:
+            assert runner.psnr(a.latent, b.latent) >= MIN_PSNR, runner.psnr(a.latent, b.latent)
+
+    stock, _ = _run(r, wl, 5, _two_prompts)
+    got, p = _run(r, wl, 5, _chain(_two_prompts, _graph(compile="inductor")))
+    same(stock, got)
+    data = _badge(host, p)
+    assert data["compiled"]["failed_signatures"] == 0 and data["replays"] >= 6, data
+    model = r.output_of(CKPT["ckpt"])[0].model
+    owners = [
+        e.extras["context_hoist"]
+        for e in pack.nodes.graph_state.existing_state(model).cache.entries.values()
+        if e.extras.get("context_hoist") is not None
+    ]
+    assert owners, "no graph lifted the context projections"
+    owner = owners[0]
+    assert isinstance(owner, pack.graphs.context_hoist.CompiledProjections)
+    unet = model.diffusion_model
+    n_unet = len(pack.graphs.context_hoist.cross_attention_weights([unet]))
+    lifted = sum(len(g.buffers) for g in owner.groups())
+    # the UNet's and both ControlNets' projections, answered from buffers in the last pass
+    assert owner.hoisted == lifted > n_unet > 0, (owner.hoisted, lifted, n_unet)
+    assert owner.computed == 0
+    if not host.cpu:
+        with monkeypatch.context() as m:
+            m.setenv("CNA_CONTEXT_HOIST", "0")
+            inside, _ = _run(
+                r, wl, 5, _chain(_two_prompts, _graph(compile="inductor", max_graphs=7))
+            )
+        assert runner.psnr(inside.latent, got.latent) >= 90, runner.psnr(inside.latent, got.latent)
+
+    def other_prompt(p, ids):
+        p[ids["pos"]]["inputs"]["text"] = "a blue window"
+
+    stock2, _ = _run(r, wl, 5, other_prompt)
+    got2, p2 = _run(r, wl, 5, _chain(other_prompt, _graph(compile="inductor")))
+    same(stock2, got2)
+    assert _badge(host, p2)["captures"] == 0  # same shapes: the same graphs replay
 
 
 def test_unknown_compile_choice_is_refused_with_the_nodes_message(host, tiny_models):
