@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..kernels import graph_if
 from ..logger import logger
 
 # A group's input larger than this is not a text context (the projection would hold as much
@@ -55,10 +56,9 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def available() -> str | None:
-    """None when this torch can record IF nodes in a CUDA graph (2.12 and newer), else why not."""
-    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        return f"torch {torch.__version__} cannot record conditional nodes in a CUDA graph"
-    return None
+    """None when IF nodes can be recorded in a CUDA graph here, else why not (torch's own, or
+    the pack's extension's on older torch: kernels/graph_if.py). Call it outside a capture."""
+    return graph_if.available()
 
 
 def cross_attention_weights(modules: Iterable[torch.nn.Module | None]) -> list[torch.Tensor]:
@@ -111,11 +111,8 @@ def _when_changed(
         graph = capturing_graph()
         if graph is None:
             raise RuntimeError("context projections: the CUDA graph being captured is unknown")
-        graph.begin_capture_to_if_node(torch.ne(_bits(x), _bits(prev)).any() | force)
-        try:
+        with graph_if.if_node(graph, torch.ne(_bits(x), _bits(prev)).any() | force):
             project()
-        finally:
-            graph.end_capture_to_conditional_node()
     elif not x.is_cuda:
         if bool(torch.ne(_bits(x), _bits(prev)).any() | force):
             project()

@@ -44,6 +44,7 @@ SOURCES = [
     "ops/quant_int8.cu",
     "ops/group_norm_silu.cu",
     "ops/group_norm_nhwc.cu",
+    "ops/graph_if.cu",
 ]
 HEADERS = ["common.cuh"]
 # The C++ standard is left to torch (C++17 up to 2.12, C++20 from 2.13).

@@ -41,6 +41,36 @@ def build_kernels(node_id=None) -> bool:
         return False
 
 
+def build_for_if_nodes(node_id=None) -> bool:
+    """The *CUDA Graph* nodes with the context projections once per context
+    (``CNA_CONTEXT_HOIST=1``) record CUDA-graph IF nodes, which need the extension where torch
+    has none of its own (before 2.12): built here, with the node's progress bar, whether or not
+    the numeric kernels are used. Returns whether the extension is loaded."""
+    from ..kernels import _jit, graph_if, registry
+
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            import comfy.utils
+
+            bar = comfy.utils.ProgressBar(total, node_id=node_id)
+        bar.update_absolute(done, total)
+
+    try:
+        if graph_if._torch_has_if_nodes() or not _comfy_on_cuda():
+            return False
+        if _jit.is_loaded():
+            return True
+        if registry._cuda_static_reason() is not None:
+            return False
+        return _jit.ensure_loaded(on_progress=progress) is not None
+    except Exception as e:  # never fail the node over the kernels
+        logger.debug("extension not built ahead: %s", e)
+        return False
+
+
 def _comfy_on_cuda() -> bool:
     import comfy.model_management
 

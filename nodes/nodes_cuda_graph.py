@@ -12,6 +12,7 @@ from ..errors import NodeInputError
 from . import compiled_step
 from .cuda_graph import GraphOptions, apply_cuda_graph
 from .fused_apply import context_width, family
+from .kernel_build import build_for_if_nodes
 from .status import node_id_of
 from .validate import check_choices, sampler_choices, widget_errors
 
@@ -150,6 +151,8 @@ class CUDAGraphModel(io.ComfyNode):
         opts = _options(
             "CUDA Graph", enabled, max_graphs, verify, channels_last, concurrent_controlnet, compile
         )
+        if compiled_step.context_hoist_on():
+            build_for_if_nodes(node_id_of(cls))
         return io.NodeOutput(apply_cuda_graph(model, opts, node_id=node_id_of(cls)))
 
 
@@ -255,6 +258,8 @@ class KSamplerCUDAGraph(io.ComfyNode):
 
         node_id = node_id_of(cls)
         check_control_family(KSAMPLER, model, positive=positive, negative=negative)
+        if enabled and compiled_step.context_hoist_on():
+            build_for_if_nodes(node_id)
         if enabled or node_id is not None:
             # disabled, it samples exactly as KSampler does and only times the run for its
             # badge (a stock baseline beside an accelerated branch in one workflow)
