@@ -37,6 +37,7 @@ def available() -> str | None:
         )
     if not mod.graph_if_supported():
         return f"CUDA {torch.version.cuda} has no conditional graph nodes (12.4 or newer)"
+    mod.graph_if_warm(torch.cuda.current_device())
     return None
 
 

@@ -23,6 +23,7 @@ torch::Tensor group_norm_nhwc(const torch::Tensor& x, const torch::Tensor& weigh
 bool graph_if_supported();
 void graph_if_begin(const torch::Tensor& pred, int64_t pool_a, int64_t pool_b);
 void graph_if_end();
+void graph_if_warm(int64_t device);
 }  // namespace cna
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -40,4 +41,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("graph_if_begin", &cna::graph_if_begin,
         "capture what follows into an IF node of the graph being captured, run when pred");
   m.def("graph_if_end", &cna::graph_if_end, "close the IF node graph_if_begin opened");
+  m.def("graph_if_warm", &cna::graph_if_warm,
+        "give the IF bodies' streams their cuBLAS workspace, outside any capture");
 }

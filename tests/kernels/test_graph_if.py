@@ -149,3 +149,32 @@ def test_if_node_under_cuda_malloc_async(way):
         timeout=600,
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("way", _ways())
+def test_nested_if_nodes(way, monkeypatch):
+    """An IF node inside another's body: the inner body runs only when both predicates hold."""
+    if not torch.cuda.is_available() or _jit.ensure_loaded() is None:
+        pytest.skip("no CUDA device or CUDA extension")
+    if way == "extension":
+        monkeypatch.setattr(graph_if, "_torch_has_if_nodes", lambda: False)
+    assert graph_if.available() is None
+    outer = torch.zeros((), dtype=torch.bool, device="cuda")
+    inner = torch.zeros((), dtype=torch.bool, device="cuda")
+    count = torch.zeros(2, dtype=torch.int32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=side):
+        with graph_if.if_node(g, outer.clone()):
+            count[0].add_(1)
+            with graph_if.if_node(g, inner.clone()):
+                count[1].add_(1)
+    runs = [(False, False), (False, True), (True, False), (True, True), (True, True)]
+    for o, i in runs:
+        outer.fill_(o)
+        inner.fill_(i)
+        g.replay()
+    torch.cuda.synchronize()
+    assert count.tolist() == [3, 2], (way, count.tolist())

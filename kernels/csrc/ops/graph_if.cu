@@ -11,8 +11,9 @@
 //      that reads `pred` (captured on the current stream, so it runs after whatever wrote it);
 //   2. the conditional node, after that kernel; the current stream's capture then continues
 //      after the node;
-//   3. the body is captured from a dedicated side stream (one per device, kept for the process
-//      so that its cuBLAS workspace is made once), which becomes the current stream;
+//   3. the body is captured from a dedicated side stream (one per device and nesting depth, kept
+//      for the process so that its cuBLAS workspace is made once), which becomes the current
+//      stream;
 //   4. PyTorch's caching allocator serves that stream from the graph's memory pool (`pool`, the
 //      pool the graph was begun with), as it serves the graph's own capture.
 // end: ends the body's capture, gives the pool back to the graph's own capture, and makes the
@@ -23,6 +24,7 @@
 
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
@@ -31,6 +33,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "../common.cuh"
@@ -68,13 +71,15 @@ std::function<bool(cudaStream_t)> capturing_for(unsigned long long id) {
   };
 }
 
-c10::cuda::CUDAStream body_stream(c10::DeviceIndex device) {
-  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+// A nested IF node's body is captured while its parent's body still is: one stream per depth.
+c10::cuda::CUDAStream body_stream(c10::DeviceIndex device, size_t depth) {
+  static std::map<std::pair<c10::DeviceIndex, size_t>, c10::cuda::CUDAStream> streams;
   static std::mutex lock;
   std::lock_guard<std::mutex> guard(lock);
-  auto it = streams.find(device);
+  const auto key = std::make_pair(device, depth);
+  auto it = streams.find(key);
   if (it == streams.end()) {
-    it = streams.emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+    it = streams.emplace(key, c10::cuda::getStreamFromPool(false, device)).first;
   }
   return it->second;
 }
@@ -82,6 +87,28 @@ c10::cuda::CUDAStream body_stream(c10::DeviceIndex device) {
 }  // namespace
 
 bool graph_if_supported() { return true; }
+
+void graph_if_warm(int64_t device_index) {
+  // cuBLAS gets its workspace at its first use on a stream, through the allocator: under
+  // cudaMallocAsync that would be an allocation node inside the body, which CUDA refuses. So
+  // each body stream (depths 0 and 1) runs one matrix multiply here, outside any capture.
+  static std::mutex lock;
+  static std::vector<c10::DeviceIndex> warm;
+  const auto device = static_cast<c10::DeviceIndex>(device_index);
+  std::lock_guard<std::mutex> guard(lock);
+  for (auto d : warm) {
+    if (d == device) return;
+  }
+  const auto opts = at::TensorOptions().device(at::kCUDA, device).dtype(at::kHalf);
+  for (size_t depth = 0; depth < 2; ++depth) {
+    c10::cuda::CUDAStreamGuard on_body(body_stream(device, depth));
+    auto a = at::ones({16, 16}, opts);
+    at::mm(a, a);
+    at::mm(a.to(at::kFloat), a.to(at::kFloat));
+    C10_CUDA_CHECK(cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(device).stream()));
+  }
+  warm.push_back(device);
+}
 
 void graph_if_begin(const torch::Tensor& pred, int64_t pool_a, int64_t pool_b) {
   CNA_CHECK(pred.is_cuda() && pred.scalar_type() == at::kBool && pred.numel() == 1,
@@ -127,7 +154,7 @@ void graph_if_begin(const torch::Tensor& pred, int64_t pool_a, int64_t pool_b) {
 #endif
   cudaGraph_t body_graph = params.conditional.phGraph_out[0];
 
-  auto body = body_stream(device);
+  auto body = body_stream(device, open_ifs.size());
   C10_CUDA_CHECK(cudaStreamBeginCaptureToGraph(body.stream(), body_graph, nullptr, nullptr, 0,
                                                cudaStreamCaptureModeThreadLocal));
   unsigned long long body_capture = 0;
@@ -154,6 +181,8 @@ void graph_if_end() {
 #else  // CUDA older than 12.4: no conditional nodes
 
 bool graph_if_supported() { return false; }
+
+void graph_if_warm(int64_t) {}
 
 void graph_if_begin(const torch::Tensor&, int64_t, int64_t) {
   CNA_CHECK(false, "graph_if_begin: CUDA graph IF nodes need CUDA 12.4 or newer");
