@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import graph_if
 from ..logger import logger
 
 
@@ -339,7 +340,7 @@ class GraphCache:
         gc.collect()
         if not self.async_allocator:
             _clear_cublas_workspaces()
-        graph = torch.cuda.CUDAGraph()
+        graph = graph_if.PooledGraph(self._pool)  # IF nodes recorded in it need the pool
         with torch.cuda.stream(side):
             try:
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")

@@ -41,10 +41,24 @@ def available() -> str | None:
     return None
 
 
+class PooledGraph(torch.cuda.CUDAGraph):
+    """A CUDA graph that knows its memory pool while it is captured (torch before 2.12 gives
+    ``pool()`` only after the capture), as ``if_node`` needs there: capture it with
+    ``pool=graph.capture_pool``."""
+
+    def __new__(cls, pool, keep_graph: bool = False):
+        return super().__new__(cls, keep_graph)
+
+    def __init__(self, pool, keep_graph: bool = False):
+        super().__init__(keep_graph)
+        self.capture_pool = pool
+
+
 @contextlib.contextmanager
 def if_node(graph: torch.cuda.CUDAGraph, pred: torch.Tensor) -> Iterator[None]:
     """Record the block's CUDA work into an IF node of ``graph``, the graph being captured on
-    the current stream, run when ``pred`` is true (``available()`` must have said None)."""
+    the current stream, run when ``pred`` is true (``available()`` must have said None). On
+    torch before 2.12, ``graph`` must be a ``PooledGraph``."""
     if _torch_has_if_nodes():
         graph.begin_capture_to_if_node(pred)
         try:
@@ -52,8 +66,10 @@ def if_node(graph: torch.cuda.CUDAGraph, pred: torch.Tensor) -> Iterator[None]:
         finally:
             graph.end_capture_to_conditional_node()
         return
+    pool = getattr(graph, "capture_pool", None)
+    if pool is None:
+        raise RuntimeError("IF node: the graph's memory pool is unknown during its capture")
     mod = _jit.module()
-    pool = graph.pool()
     mod.graph_if_begin(pred, int(pool[0]), int(pool[1]))
     try:
         yield

@@ -87,8 +87,8 @@ def check_if_node(way: str) -> None:
         step(None)  # warm-up: cuBLAS and the attention pick their kernels outside the capture
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=side):
+    g = graph_if.PooledGraph(torch.cuda.graph_pool_handle())
+    with torch.cuda.graph(g, pool=g.capture_pool, stream=side):
         out = step(g)
     force.fill_(True)
     ran.zero_()
@@ -165,8 +165,8 @@ def test_nested_if_nodes(way, monkeypatch):
     count = torch.zeros(2, dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=side):
+    g = graph_if.PooledGraph(torch.cuda.graph_pool_handle())
+    with torch.cuda.graph(g, pool=g.capture_pool, stream=side):
         with graph_if.if_node(g, outer.clone()):
             count[0].add_(1)
             with graph_if.if_node(g, inner.clone()):
