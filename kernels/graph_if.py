@@ -11,6 +11,7 @@ Inside the body nothing may synchronise, and under cudaMallocAsync nothing may a
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -24,11 +25,20 @@ def _torch_has_if_nodes() -> bool:
 
 def available() -> str | None:
     """None when IF nodes can be recorded in this process, else why not. Builds the extension
-    on its first call where torch has no IF nodes of its own (never call it inside a capture)."""
+    on its first call where torch has no IF nodes of its own (never call it inside a capture).
+    Called at every step where the projections are hoisted: the extension's answer is kept."""
     if _torch_has_if_nodes():
         return None
     if not torch.cuda.is_available():
         return "no CUDA device"
+    return _extension_reason(torch.cuda.current_device())
+
+
+@functools.cache
+def _extension_reason(device: int) -> str | None:
+    """Why the extension cannot record IF nodes on ``device``, or None once it can (its body
+    streams then have their cuBLAS workspace). Final for the process: the extension is built
+    or given up on once."""
     mod = _jit.ensure_loaded()
     if mod is None:
         return (
@@ -37,7 +47,7 @@ def available() -> str | None:
         )
     if not mod.graph_if_supported():
         return f"CUDA {torch.version.cuda} has no conditional graph nodes (12.4 or newer)"
-    mod.graph_if_warm(torch.cuda.current_device())
+    mod.graph_if_warm(device)
     return None
 
 

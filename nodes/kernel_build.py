@@ -22,16 +22,7 @@ def build_kernels(node_id=None) -> bool:
     """Build (or load) the kernels now if the ops would use them, showing progress on node
     ``node_id`` (the running node's id; None: the node ComfyUI runs). Returns whether they are
     loaded."""
-    bar = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            import comfy.utils
-
-            bar = comfy.utils.ProgressBar(total, node_id=node_id)
-        bar.update_absolute(done, total)
-
+    progress = _progress(node_id)
     try:
         if not _comfy_on_cuda():
             return False  # ComfyUI runs on another device (--cpu): the ops never meet CUDA
@@ -48,16 +39,7 @@ def build_for_if_nodes(node_id=None) -> bool:
     the numeric kernels are used. Returns whether the extension is loaded."""
     from ..kernels import _jit, graph_if, registry
 
-    bar = None
-
-    def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            import comfy.utils
-
-            bar = comfy.utils.ProgressBar(total, node_id=node_id)
-        bar.update_absolute(done, total)
-
+    progress = _progress(node_id)
     try:
         if graph_if._torch_has_if_nodes() or not _comfy_on_cuda():
             return False
@@ -69,6 +51,22 @@ def build_for_if_nodes(node_id=None) -> bool:
     except Exception as e:  # never fail the node over the kernels
         logger.debug("extension not built ahead: %s", e)
         return False
+
+
+def _progress(node_id):
+    """A build's progress callback that shows as node ``node_id``'s progress bar, made on the
+    build's first report (a build that is not needed shows none)."""
+    bar = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            import comfy.utils
+
+            bar = comfy.utils.ProgressBar(total, node_id=node_id)
+        bar.update_absolute(done, total)
+
+    return progress
 
 
 def _comfy_on_cuda() -> bool:

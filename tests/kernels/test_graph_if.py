@@ -30,11 +30,36 @@ def test_without_a_gpu_no_if_node_is_offered(monkeypatch):
     assert graph_if.available() == "no CUDA device"
 
 
+def test_the_extensions_answer_is_asked_once_per_process(monkeypatch):
+    """available() runs at every step where the projections are hoisted: the extension is
+    asked once, and its answer (here: not available) kept."""
+    asked = []
+    monkeypatch.setattr(graph_if, "_torch_has_if_nodes", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_jit, "ensure_loaded", lambda: asked.append(1))
+    graph_if._extension_reason.cache_clear()
+    try:
+        whys = [graph_if.available() for _ in range(3)]
+    finally:
+        graph_if._extension_reason.cache_clear()
+    assert len(asked) == 1
+    assert whys[0] == whys[2] and "extension, which can, is not available" in whys[0]
+
+
 def _ways() -> list[str]:
     ways = ["extension"]
     if hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
         ways.append("torch")
     return ways
+
+
+def _record_with(way: str, monkeypatch) -> None:
+    """Skip without a GPU and the extension; else make ``graph_if`` record the way asked."""
+    if not torch.cuda.is_available() or _jit.ensure_loaded() is None:
+        pytest.skip("no CUDA device or CUDA extension")
+    if way == "extension":
+        monkeypatch.setattr(graph_if, "_torch_has_if_nodes", lambda: False)
 
 
 def check_if_node(way: str) -> None:
@@ -112,10 +137,7 @@ def check_if_node(way: str) -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("way", _ways())
 def test_if_node_runs_its_body_only_when_the_predicate_holds(way, monkeypatch):
-    if not torch.cuda.is_available() or _jit.ensure_loaded() is None:
-        pytest.skip("no CUDA device or CUDA extension")
-    if way == "extension":
-        monkeypatch.setattr(graph_if, "_torch_has_if_nodes", lambda: False)
+    _record_with(way, monkeypatch)
     check_if_node(way)
 
 
@@ -155,10 +177,7 @@ def test_if_node_under_cuda_malloc_async(way):
 @pytest.mark.parametrize("way", _ways())
 def test_nested_if_nodes(way, monkeypatch):
     """An IF node inside another's body: the inner body runs only when both predicates hold."""
-    if not torch.cuda.is_available() or _jit.ensure_loaded() is None:
-        pytest.skip("no CUDA device or CUDA extension")
-    if way == "extension":
-        monkeypatch.setattr(graph_if, "_torch_has_if_nodes", lambda: False)
+    _record_with(way, monkeypatch)
     assert graph_if.available() is None
     outer = torch.zeros((), dtype=torch.bool, device="cuda")
     inner = torch.zeros((), dtype=torch.bool, device="cuda")
