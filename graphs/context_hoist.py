@@ -56,9 +56,30 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def available() -> str | None:
-    """None when IF nodes can be recorded in a CUDA graph here, else why not (torch's own, or
-    the pack's extension's on older torch: kernels/graph_if.py). Call it outside a capture."""
-    return graph_if.available()
+    """None when the projections can be hoisted into the CUDA graphs here, else why not: IF
+    nodes must be recordable (torch's own, or the pack's extension's on older torch:
+    kernels/graph_if.py) and the allocator PyTorch's native one. Call it outside a capture."""
+    why = graph_if.available()
+    if why is None and _async_allocator():
+        # Seen on an H100 (torch 2.11, the extension's IF nodes): under cudaMallocAsync the
+        # hoist's graph tests pass each in a process of its own, but the first of them aborted
+        # the process when it ran after the other graph tests in one process. The cause is not
+        # known, and a server must not die for a saving of about 1%: the step keeps its
+        # projections under that allocator.
+        return (
+            "not under PyTorch's cudaMallocAsync allocator (ComfyUI's default): start ComfyUI "
+            "with --disable-cuda-malloc to hoist them"
+        )
+    return why
+
+
+def _async_allocator() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return torch.cuda.memory.get_allocator_backend() == "cudaMallocAsync"
+    except Exception:
+        return False
 
 
 def cross_attention_weights(modules: Iterable[torch.nn.Module | None]) -> list[torch.Tensor]:

@@ -58,6 +58,8 @@ class _Net(torch.nn.Module):
 def _device(backend):
     if backend == "cuda" and not CUDA:
         pytest.skip("no CUDA device")
+    if backend == "cuda" and context_hoist.available() is not None:
+        pytest.skip(context_hoist.available())
     return "cuda" if backend == "cuda" else "cpu"
 
 
@@ -114,6 +116,22 @@ def test_only_the_cross_attentions_key_and_value_weights_are_taken():
     want = [net.blocks[0].attn2.to_k.weight, net.blocks[0].attn2.to_v.weight]
     want.append(net.blocks[1].attn2.to_k.weight)
     assert [id(w) for w in got] == [id(w) for w in want]
+
+
+@pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])
+def test_the_hoist_is_refused_under_cuda_malloc_async(backend, monkeypatch):
+    """IF nodes recordable, a GPU present: the hoist is offered under PyTorch's native
+    allocator only, and the refusal says how to get it."""
+    from comfyui_controlnet_accelerator.kernels import graph_if
+
+    monkeypatch.setattr(graph_if, "available", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: backend)
+    why = context_hoist.available()
+    if backend == "native":
+        assert why is None
+    else:
+        assert "cudaMallocAsync" in why and "--disable-cuda-malloc" in why
 
 
 def _two_contexts_match(net, step, dev, close=torch.equal):

@@ -626,11 +626,14 @@ def test_the_context_projections_follow_a_prompt_that_changes_mid_run(
     d = badges.graph_counts(graph)
     assert d["captures"] >= 1 and d["replays"] >= 6, d
     hoists = [h for h in _hoists(host, r) if h is not None]
+    hoist = sys.modules[host.pack_module_name].graphs.context_hoist
+    why = None if host.cpu else hoist.available()
+    if why is not None:  # e.g. under cudaMallocAsync: the projections stay in the step
+        assert not hoists, why
+        return
     assert hoists, "no graph hoisted the context projections"
     unet = r.output_of(CKPT["ckpt"])[0].model.diffusion_model
-    n_unet = len(
-        sys.modules[host.pack_module_name].graphs.context_hoist.cross_attention_weights([unet])
-    )
+    n_unet = len(hoist.cross_attention_weights([unet]))
     for h in hoists:  # the UNet's and both ControlNets' projections, answered from buffers
         assert h.hoisted == sum(len(g.weights) for g in h.groups) > n_unet > 0, (h.hoisted, n_unet)
         assert h.computed == 0
