@@ -203,10 +203,10 @@ def test_attentions_of_comfyuis_networks_run_the_backend_measured_fastest(
     ControlNet. ComfyUI runs attention on NVIDIA GPUs inside ``sdpa_kernel(priority,
     set_priority=True)``; on the CPU it does not, and 0.33 runs attentions of fewer than 128K
     elements (all of the tiny models') without it, so there the test puts that wrapper (with
-    0.33's flash-first priority) in ComfyUI's place. The pass finds every attention of both
-    traced graphs, moves each to the backend its timer says is fastest (cuDNN here; on a GPU the
-    real timer runs, and on 0.3.64's own cuDNN-first order nothing moves), and the run still
-    matches stock."""
+    0.33's flash-first priority) in ComfyUI's place. The pass finds the attentions of the
+    UNet's and the ControlNet's traced graphs, moves each to the backend its timer says is
+    fastest (cuDNN here; on a GPU the real timer runs, and on 0.3.64's own cuDNN-first order
+    nothing moves), and the run still matches stock."""
     import dataclasses
 
     import comfy.ops
@@ -246,7 +246,9 @@ def test_attentions_of_comfyuis_networks_run_the_backend_measured_fastest(
     monkeypatch.setattr(step, "ATTENTION_CHOICE_AUTO", counting)
     monkeypatch.delenv(ac.ENV, raising=False)  # the default: flash-first attentions
     _compiled_run_matches_stock(host, 23)
-    assert len(seen) >= 2 and all(found >= 2 for found, _ in seen), seen  # UNet, ControlNet
+    # UNet and ControlNet; a region between graph breaks may hold no attention at all
+    with_sites = [found for found, _ in seen if found]
+    assert len(with_sites) >= 2 and all(found >= 2 for found in with_sites), seen
     if host.cpu:
         assert all(moved == {"CUDNN_ATTENTION": found} for found, moved in seen), seen
 
