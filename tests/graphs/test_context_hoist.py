@@ -262,7 +262,12 @@ def _compiled_setup(backend, tmp_path, net=None, dtype=torch.float32, lift=True)
         owner.before_replay(run_id)  # the node: before each replay, and before a capture
         return cache.run("k", fn, [x, ctx], compile_first=True)
 
+    step.cache = cache  # a capture that failed would run eager, with the same values
     return net, owner, cm, step, dev
+
+
+def _captured_once(step) -> None:
+    assert step.cache.captures == 1 and not step.cache.failed, step.cache.failed
 
 
 @pytest.fixture
@@ -293,6 +298,7 @@ def test_compiled_projections_are_lifted_out_and_run_once_per_context(
     close = torch.equal if backend == "emulate" else lambda a, b: torch.allclose(a, b, 1e-4, 1e-4)
     _two_contexts_match(net, step, dev, close)
     assert cm.compiles == 1 and not cm.failed, cm.failed
+    _captured_once(step)
     assert _lifted_counts(owner) == [6]  # the 3 blocks' key and value projections, one context
     assert owner.hoisted == 6 and owner.computed == 0
     if backend == "emulate":  # the first call, then one per change of context
@@ -355,8 +361,6 @@ def test_fp16_compiled_projections_in_a_cuda_graph_match_the_compiled_code_witho
         pytest.skip("no CUDA device")
     if context_hoist.available() is not None:
         pytest.skip(context_hoist.available())
-    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
-        pytest.skip("compiled code is captured under PyTorch's native allocator only")
     big = dict(dim=640, ctx_dim=2048, depth=2)
     net, owner, cm, step, dev = _compiled_setup("cuda", tmp_path, _Net(**big), torch.float16)
     _, _, cm0, plain, _ = _compiled_setup("cuda", tmp_path, net, torch.float16, lift=False)
@@ -367,3 +371,5 @@ def test_fp16_compiled_projections_in_a_cuda_graph_match_the_compiled_code_witho
         assert torch.equal(step(x, ctx, run_id=0), plain(x, ctx)), i
     assert _lifted_counts(owner) == [4] and owner.hoisted == 4
     assert not cm.failed and not cm0.failed
+    _captured_once(step)
+    _captured_once(plain)
