@@ -65,8 +65,11 @@ def test_graph_tests_pass_under_allocator(backend, host):
         ]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         lines = (out.stdout + out.stderr).splitlines()
-        # Test outcomes and the pack's warnings in order, so a failed capture is tied to its test.
-        keep = ("PASSED", "FAILED", "WARNING", "ERROR")
-        tail = "\n".join([ln for ln in lines if any(k in ln for k in keep)][:80] + lines[-25:])
+        # Test outcomes and the pack's warnings in order, so a failed capture is tied to its test;
+        # a child that aborts leaves the running test's name as its last line of output.
+        keep = ("PASSED", "FAILED", "WARNING", "ERROR", "Fatal Python error")
+        kept = [ln for ln in lines if any(k in ln for k in keep)][:80]
+        running = [f"last test started: {ln}" for ln in out.stdout.splitlines()[-1:]]
+        tail = "\n".join(kept + running + lines[-25:])
         assert out.returncode == 0, f"{backend} [-k {k}]: rc={out.returncode}\n{tail}"
         assert " passed" in out.stdout, tail
