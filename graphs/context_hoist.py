@@ -45,6 +45,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..kernels import graph_if
 from ..logger import logger
+from . import static_graph
 
 # A group's input larger than this is not a text context (the projection would hold as much
 # memory per weight as an activation, and comparing it would cost a copy's time): left as it is.
@@ -60,7 +61,7 @@ def available() -> str | None:
     nodes must be recordable (torch's own, or the pack's extension's on older torch:
     kernels/graph_if.py) and the allocator PyTorch's native one. Call it outside a capture."""
     why = graph_if.available()
-    if why is None and _async_allocator():
+    if why is None and static_graph._async_allocator():
         # Seen on an H100 (torch 2.11, the extension's IF nodes): under cudaMallocAsync the
         # hoist's graph tests pass each in a process of its own, but the first of them aborted
         # the process when it ran after the other graph tests in one process. The cause is not
@@ -71,15 +72,6 @@ def available() -> str | None:
             "with --disable-cuda-malloc to hoist them"
         )
     return why
-
-
-def _async_allocator() -> bool:
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return torch.cuda.memory.get_allocator_backend() == "cudaMallocAsync"
-    except Exception:
-        return False
 
 
 def cross_attention_weights(modules: Iterable[torch.nn.Module | None]) -> list[torch.Tensor]:
