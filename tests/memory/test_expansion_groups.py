@@ -263,9 +263,10 @@ def test_dequant_rows_multi_lays_out_each_weight_as_dequant_rows_makes_it(device
     for v, q, s in zip(views, qs, ss, strict=True):
         assert torch.equal(v, kernels.dequant_rows(q, s, torch.float32))
     assert not out.isnan().any()
-    for bad in (out[:-1], out.bfloat16(), out.view(1, -1), torch.empty(2 * out.numel())[::2]):
+    strided = torch.empty(2 * out.numel(), device=device)[::2]
+    for bad in (out[:-1], out.bfloat16(), out.view(1, -1), strided):
         with pytest.raises(ValueError, match="out must be"):
-            kernels.dequant_rows_multi(qs, ss, torch.float32, out=bad.to(device))
+            kernels.dequant_rows_multi(qs, ss, torch.float32, out=bad)
     with pytest.raises(ValueError):
         kernels.dequant_rows_multi(qs[:2], ss[:1], torch.float32)
     with pytest.raises(ValueError):
