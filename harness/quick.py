@@ -315,14 +315,6 @@ VARIANTS["graph_compiled_context_once"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=16, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_context_once"] = {"CNA_CONTEXT_HOIST": "1"}
-# The Memory Pool's INT8 groups expanded ahead, on a side stream, while the group before runs
-# (CNA_POOL_AHEAD=1), against pool_int8_offload+graph. max_graphs 23: a node of its own.
-VARIANTS["pool_int8_offload+graph_ahead"] = _chain(
-    VARIANTS["pool_int8_offload"],
-    _fused_apply,
-    _insert_model_node("CNA_CUDAGraph", enabled=True, max_graphs=23, verify=False),
-)
-VARIANT_ENV["pool_int8_offload+graph_ahead"] = {"CNA_POOL_AHEAD": "1"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

@@ -326,17 +326,12 @@ def dequant_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
 
 
 def dequant_rows_multi(
-    qs: list[torch.Tensor],
-    scales: list[torch.Tensor],
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
+    qs: list[torch.Tensor], scales: list[torch.Tensor], dtype: torch.dtype
 ) -> list[torch.Tensor]:
     """``[dequant_rows(q, s, dtype) for q, s in zip(qs, scales)]``, the results laid out one
     after the other in one allocation (each a contiguous view of it): the Memory Pool expands a
     block's INT8 layers at once. On CUDA one launch for them all where every weight fits the
-    kernel's vector path (``constraints``); otherwise one expansion per weight, into its view.
-    ``out``: the allocation to write (1-D, contiguous, ``dtype``, as many elements as the
-    weights together, on their device); a new one when None."""
+    kernel's vector path (``constraints``); otherwise one expansion per weight, into its view."""
     if len(qs) != len(scales):
         raise ValueError("dequant_rows_multi: one scale per weight")
     if not qs:
@@ -349,20 +344,7 @@ def dequant_rows_multi(
             )
         if q.device != dev:
             raise ValueError("dequant_rows_multi: every weight must be on one device")
-    total = sum(q.numel() for q in qs)
-    if out is None:
-        out = torch.empty(total, dtype=dtype, device=dev)
-    elif (
-        out.dim() != 1
-        or out.numel() != total
-        or out.dtype != dtype
-        or out.device != dev
-        or not out.is_contiguous()
-    ):
-        raise ValueError(
-            f"dequant_rows_multi: out must be a contiguous 1-D {dtype} tensor of {total} "
-            f"elements on {dev}"
-        )
+    out = torch.empty(sum(q.numel() for q in qs), dtype=dtype, device=dev)
     views, off = [], 0
     for q in qs:
         views.append(out[off : off + q.numel()].view(q.shape))

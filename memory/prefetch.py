@@ -21,8 +21,7 @@ Measured on the H200 (docs/benchmarks.md, Memory Pool): for the *INT8* layers, e
 layer ahead this way was slower than expanding in place under CUDA graphs (SD1.5, two
 ControlNets: 22.16 -> 25.19 ms/step): the two cross-stream dependencies per layer (~850 a
 step) cost more than the copies they hid. For streamed layers the copy is the long pole (PCIe),
-so overlapping it is the point. INT8 layers expand a block at a time (``ExpansionGroup``); with
-``CNA_POOL_AHEAD=1`` each group is a lane's layer, made ahead here.
+so overlapping it is the point.
 
 On the CPU, and for weights that need a cast on the way, layers get their weights
 synchronously (tests can turn lanes on for the CPU: ``lanes_on_cpu``).

@@ -169,11 +169,13 @@ class _Int8Weight(_Replaced):
     expansion_group: ExpansionGroup | None = None  # set by ``form_expansion_groups``
 
     def _weight_for(self, x: torch.Tensor) -> torch.Tensor:
-        # With the rest of its block when it has an expansion group (made in place, or ahead
-        # with ``expands_ahead``), else alone, in place. Expanding each layer one ahead on a
-        # side stream (memory/prefetch.py) was measured slower under CUDA graphs on the H200:
-        # W2 22.16 -> 25.19 ms/step, the ~850 cross-stream dependencies of a step cost more
-        # than the copies they hid.
+        # Expanded in place, on the layer's stream: with the rest of its block when it has an
+        # expansion group, else alone. Expanding one layer ahead on a side stream
+        # (memory/prefetch.py) was measured slower under CUDA graphs on the H200: W2 22.16 ->
+        # 25.19 ms/step, the ~850 cross-stream dependencies of a step cost more
+        # than the copies they hid. A whole group ahead was no faster either (SDXL with 2
+        # ControlNets, H100: 84.75 in place, 84.90 ahead): the expansion's traffic is the cost,
+        # wherever it runs (docs/benchmarks.md, Memory Pool, Known shortfalls).
         group = self.expansion_group
         if group is not None and not torch.compiler.is_compiling():
             w = group.take(self, x)
@@ -218,14 +220,6 @@ class Int8Conv2d(_Int8Weight):
 GROUP_MAX_NUMEL = 48 << 20
 
 
-def expands_ahead() -> bool:
-    """Whether a group's expansion is made ahead, on a side stream, while the group before it
-    on the same stream runs (``prefetch``'s lanes: the order is learned as the groups run), so
-    that its memory traffic overlaps that group's compute. ``CNA_POOL_AHEAD=1`` turns it on.
-    A lane then holds one group's expansion more than in-place expansion does."""
-    return os.environ.get("CNA_POOL_AHEAD", "").strip() == "1"
-
-
 class ExpansionGroup:
     """The INT8 layers of one block, expanded by one kernel launch when the first of them runs.
 
@@ -241,11 +235,7 @@ class ExpansionGroup:
     torch.compile expands each layer alone: the group's state is the host's, not the graph's.
 
     The memory: a group holds at most as many weights as the model's largest INT8 layer
-    (``form_expansion_groups``), so expanding it takes no more than that layer did alone.
-
-    With ``expands_ahead`` the group is also a layer of ``prefetch``'s lanes: its expansion is
-    made on the lane's side stream while the group before it runs, and the next group's is
-    started when it is taken."""
+    (``form_expansion_groups``), so expanding it takes no more than that layer did alone."""
 
     def __init__(self, layers: list[_Int8Weight]):
         self._layers = list(layers)
@@ -277,40 +267,15 @@ class ExpansionGroup:
         self._key = None
         if any(m.q.device != x.device for m in self._layers):
             return None
-        if expands_ahead():
-            # this group's expansion (made ahead on a side stream when the group before ran),
-            # then the next group's started there
-            flat = prefetch.weight(self, x)
-        else:
-            flat = self.expand_weight(x.dtype, x.device)
-        ready, off = {}, 0
-        for m in self._layers:
-            ready[id(m)] = flat[off : off + m.q.numel()].view(m.q.shape)
-            off += m.q.numel()
+        views = kernels.dequant_rows_multi(
+            [m.q for m in self._layers], [m.scale for m in self._layers], x.dtype
+        )
+        ready = {id(m): v for m, v in zip(self._layers, views, strict=True)}
         w = ready.pop(id(layer), None)
         if w is None:  # not a member (cannot happen through form_expansion_groups)
             return None
         self._ready, self._key = ready, key
         return w
-
-    # The interface of prefetch's lanes: the group's expansion is one flat tensor, every
-    # member's weight after the one before.
-    def empty_weight(self, dtype: torch.dtype, device) -> torch.Tensor | None:
-        if any(m.q.device != torch.device(device) for m in self._layers):
-            return None
-        return torch.empty(sum(m.q.numel() for m in self._layers), dtype=dtype, device=device)
-
-    def expand_weight_into(self, out: torch.Tensor) -> None:
-        kernels.dequant_rows_multi(
-            [m.q for m in self._layers], [m.scale for m in self._layers], out.dtype, out=out
-        )
-
-    def expand_weight(self, dtype: torch.dtype, device) -> torch.Tensor:
-        out = self.empty_weight(dtype, device)
-        if out is None:
-            raise ValueError("an expansion group's weights are not all on the input's device")
-        self.expand_weight_into(out)
-        return out
 
 
 def release_expansions(modules) -> None:

@@ -291,8 +291,7 @@ class MemoryPoolPatch:
 
     def reserve_bytes(self, patchers=()) -> int:
         """Working memory the pool needs beyond ComfyUI's own estimate of the step: the weights
-        of the INT8 block running, expanded to fp16 at once (``wc.ExpansionGroup``; twice that
-        where the next block's expansion is made ahead, ``wc.expands_ahead``), and for
+        of the INT8 block running, expanded to fp16 at once (``wc.ExpansionGroup``), and for
         streamed layers the one running plus the one being copied in ahead (the largest of each
         kind among ``patchers``' replaced layers); and the idle part of the CUDA graph pool,
         which ComfyUI's free-memory figure counts as free under PyTorch's native allocator though
@@ -305,8 +304,7 @@ class MemoryPoolPatch:
                     largest["int8"] = max(largest["int8"], obj.working_bytes())
                 elif isinstance(obj, wc._Replaced):
                     largest["stream"] = max(largest["stream"], obj.original_bytes())
-        int8 = largest["int8"] * (2 if wc.expands_ahead() else 1)
-        return int8 + 2 * largest["stream"] + self._graph_idle
+        return largest["int8"] + 2 * largest["stream"] + self._graph_idle
 
     def prepare_sampling_wrapper(self, executor, *args, **kwargs):
         """ComfyUI sizes what it frees before loading the run's models from the model's

@@ -316,29 +316,6 @@ def test_works_with_the_fused_apply_and_cuda_graph(host, tiny_models):
         assert runner.psnr(eager.latent, graph.latent) >= 45.0
 
 
-@pytest.mark.captures
-def test_int8_groups_made_ahead_give_the_in_place_result(host, tiny_models, monkeypatch):
-    """CNA_POOL_AHEAD=1: each INT8 group is expanded while the group before it runs (on a side
-    stream, inside the CUDA graphs too, on a GPU; synchronously with the same bookkeeping on
-    the CPU). The layers get the same values: the latent of in-place expansion, bit for bit,
-    eager and in graphs, with the groups used as prepared."""
-    import contextlib
-
-    pf = sys.modules[host.pack_module_name].memory.prefetch
-    monkeypatch.delenv("CNA_POOL_AHEAD", raising=False)
-    r = runner.Runner()
-    eager = _run(r, T2, "pool_int8_offload")
-    graph = _run(r, T2, "pool_int8_offload+graph")
-    monkeypatch.setenv("CNA_POOL_AHEAD", "1")
-    r = runner.Runner()  # a cache of its own: the eager prompt is the one above
-    with pf.counting() as got, pf.lanes_on_cpu() if host.cpu else contextlib.nullcontext():
-        eager_ahead = _run(r, T2, "pool_int8_offload")
-        graph_ahead = _run(r, T2, "pool_int8_offload+graph_ahead")
-    assert got["used"] > 0 and got["prepared"] >= got["used"], got
-    assert torch.equal(eager_ahead.latent, eager.latent)
-    assert torch.equal(graph_ahead.latent, graph.latent)
-
-
 def test_streamed_controlnet_weights_give_the_stock_result_exactly(host, tiny_models):
     """Lossless lever: the ControlNets' weights in pinned RAM, copied in one layer ahead on a
     side stream (on the CPU the lanes run synchronously, to exercise the same bookkeeping),

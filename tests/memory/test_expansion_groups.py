@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from comfyui_controlnet_accelerator import kernels
-from comfyui_controlnet_accelerator.memory import prefetch
 from comfyui_controlnet_accelerator.memory import weight_compress as wc
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -69,9 +68,9 @@ def _count_launches(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = kernels.dequant_rows_multi
 
-    def counting(qs, scales, dtype, out=None):
+    def counting(qs, scales, dtype):
         calls.append(len(qs))
-        return real(qs, scales, dtype, out=out)
+        return real(qs, scales, dtype)
 
     monkeypatch.setattr(kernels, "dequant_rows_multi", counting)
     return calls
@@ -256,17 +255,6 @@ def test_dequant_rows_multi_lays_out_each_weight_as_dequant_rows_makes_it(device
             off += q.numel()
             assert torch.equal(v, kernels.dequant_rows(q, s, dtype))
     assert kernels.dequant_rows_multi([], [], torch.float32) == []
-    # into a given allocation: the same values, in it
-    out = torch.full((sum(q.numel() for q in qs),), float("nan"), device=device)
-    views = kernels.dequant_rows_multi(qs, ss, torch.float32, out=out)
-    assert views[0].data_ptr() == out.data_ptr()
-    for v, q, s in zip(views, qs, ss, strict=True):
-        assert torch.equal(v, kernels.dequant_rows(q, s, torch.float32))
-    assert not out.isnan().any()
-    strided = torch.empty(2 * out.numel(), device=device)[::2]
-    for bad in (out[:-1], out.bfloat16(), out.view(1, -1), strided):
-        with pytest.raises(ValueError, match="out must be"):
-            kernels.dequant_rows_multi(qs, ss, torch.float32, out=bad)
     with pytest.raises(ValueError):
         kernels.dequant_rows_multi(qs[:2], ss[:1], torch.float32)
     with pytest.raises(ValueError):
@@ -291,68 +279,3 @@ def test_compiled_code_expands_each_layer_itself(monkeypatch):
     assert calls == []  # the traced code expanded each layer itself
     assert torch.equal(block(img, ctx), want) and calls == [4]
     torch._dynamo.reset()
-
-
-class TwoBlocks(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = Block(), Block()
-
-    def forward(self, img, ctx):
-        h = self.a(img, ctx)
-        return self.b(h.transpose(1, 2).reshape(img.shape), ctx)
-
-
-def _two_blocks_grouped(device):
-    torch.manual_seed(0)
-    model = TwoBlocks().to(device)
-    layers = []
-    for i, block in enumerate((model.a, model.b)):
-        for name, m in _compressed(block):
-            layers.append((name.replace("input_blocks.1", f"input_blocks.{i + 1}"), m))
-    assert wc.form_expansion_groups(layers, device) == 2
-    return model, layers
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_groups_expanded_ahead_give_the_in_place_result(device, monkeypatch):
-    """CNA_POOL_AHEAD=1: the second block's group is expanded while the first block runs (on
-    the lanes' side stream on a GPU; synchronously, with the same bookkeeping, on the CPU), and
-    every layer computes with the values it gets in place, bit for bit."""
-    monkeypatch.delenv("CNA_POOL_GROUPS", raising=False)
-    model, layers = _two_blocks_grouped(device)
-    img, ctx = _inputs(device, torch.float32)
-    monkeypatch.delenv("CNA_POOL_AHEAD", raising=False)
-    assert not wc.expands_ahead()
-    want = model(img, ctx)
-    calls = _count_launches(monkeypatch)
-    monkeypatch.setenv("CNA_POOL_AHEAD", "1")
-    assert wc.expands_ahead()
-    with prefetch.lanes_on_cpu(), prefetch.counting() as counts:
-        got = []
-        for _ in range(3):
-            got.append(model(img, ctx))
-            prefetch.end_pass()
-    assert all(torch.equal(g, want) for g in got)
-    assert calls == [4, 4] * 3  # one launch per group and pass, ahead or not
-    # the first pass learns that b's group follows a's; each later pass gets b's ready
-    assert counts["used"] == 2 and counts["prepared"] == 2
-    assert counts["wasted"] == 0 and counts["direct"] == 4
-
-
-def test_ahead_reserves_the_prepared_group_too(monkeypatch):
-    """The working memory a run reserves counts the group being made ahead."""
-    from comfyui_controlnet_accelerator.nodes.memory_pool import MemoryPoolPatch
-
-    model, layers = _two_blocks_grouped("cpu")
-
-    class Patcher:
-        object_patches = dict(layers)
-
-    state = MemoryPoolPatch.__new__(MemoryPoolPatch)
-    state._graph_idle = 0
-    monkeypatch.delenv("CNA_POOL_AHEAD", raising=False)
-    one = state.reserve_bytes([Patcher()])
-    assert one == max(m.working_bytes() for _, m in layers) > 0
-    monkeypatch.setenv("CNA_POOL_AHEAD", "1")
-    assert state.reserve_bytes([Patcher()]) == 2 * one
