@@ -424,6 +424,22 @@ class Progress:
             sys.stderr.write("\n")
 
 
+def run_settings() -> dict:
+    """The pack's switches this run was started with: its kernel mode (``CNA_KERNELS``, as the
+    registry read it) and every other ``CNA_`` variable that is a setting, not a folder or a
+    program (a value with a path separator is left out). A variant's own settings
+    (``VARIANT_ENV``) are set around its runs only and are not among them."""
+    from ..kernels import registry
+
+    out = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith("CNA_") and "/" not in v and os.sep not in v
+    }
+    out["CNA_KERNELS"] = registry.mode()
+    return out
+
+
 def environment() -> dict:
     import torch
 
@@ -438,6 +454,7 @@ def environment() -> dict:
             torch.cuda.memory.get_allocator_backend() if torch.cuda.is_available() else "n/a (CPU)"
         ),
     }
+    env["settings"] = run_settings()
     try:
         import comfyui_version
 

@@ -31,8 +31,11 @@
 #   CNA_TEST_MAX_RSS_GB  the tests' memory bound; 0 (off) here unless given: it is the CPU CI
 #                   machine's bound, and on a GPU machine inductor's compile workers and the
 #                   kernel builds run as the tests' children and count towards it
-#   CNA_KERNELS     set to cuda here unless given: the pack's CUDA kernels run in every test and
-#                   benchmark, also before kernels/registry.py records them as validated
+#   CNA_KERNELS     for tests and kernels, set to cuda here unless given: the pack's CUDA
+#                   kernels run in every test, also before kernels/registry.py records them as
+#                   validated. bench, soak, mem and repro keep the user's default (auto) unless
+#                   given: cuda also puts the Memory Pool's INT8 Linear layers on the Triton
+#                   kernel that auto leaves off, so their figures would not be the pack's defaults
 # Wheels the machine lacks (e.g. torchsde, trampoline, av; comfyui-frontend-package, which the
 # soak's servers need; diffusers, for bench --peers) can be put in .whl/: they are installed
 # once per machine into /tmp/site (no index, no dependencies), under a lock so that two runs
@@ -52,9 +55,11 @@ fi
 export COMFYUI_PATH=${COMFYUI_PATH:-$PWD/.comfy/ComfyUI}
 export CNA_MODELS_DIR=${CNA_MODELS_DIR:-/tmp/cna_models}
 export PYTHONUNBUFFERED=1
-export CNA_KERNELS=${CNA_KERNELS:-cuda}
 export CNA_TEST_MAX_RSS_GB=${CNA_TEST_MAX_RSS_GB:-0}
 what=${1:-}; shift || true
+case "$what" in
+  tests|kernels) export CNA_KERNELS=${CNA_KERNELS:-cuda} ;;
+esac
 case "$what" in
   tests)
     CNA_TEST_GPU=1 python3 -m pytest -q "$@"

@@ -185,6 +185,24 @@ def test_a_variants_environment_holds_for_its_runs_only(monkeypatch):
         assert "CNA_T_SET" not in os.environ
 
 
+def test_a_run_records_its_settings_but_no_folders(monkeypatch, tmp_path):
+    from comfyui_controlnet_accelerator.harness import quick
+    from comfyui_controlnet_accelerator.kernels import registry
+
+    monkeypatch.setattr(registry, "_mode", None)
+    monkeypatch.setenv("CNA_KERNELS", "eager")
+    monkeypatch.setenv("CNA_POOL_GROUPS", "0")
+    monkeypatch.setenv("CNA_MODELS_DIR", str(tmp_path))
+    monkeypatch.setenv("NOT_OURS", "1")
+    got = quick.run_settings()
+    assert got["CNA_KERNELS"] == "eager" and got["CNA_POOL_GROUPS"] == "0"
+    assert "CNA_MODELS_DIR" not in got and "NOT_OURS" not in got
+    monkeypatch.delenv("CNA_KERNELS")
+    monkeypatch.setattr(registry, "_mode", None)
+    assert quick.run_settings()["CNA_KERNELS"] == "auto"  # the default is recorded too
+    assert quick.environment()["settings"]["CNA_POOL_GROUPS"] == "0"
+
+
 def test_every_variant_environment_belongs_to_a_variant():
     from comfyui_controlnet_accelerator.harness import quick
 
