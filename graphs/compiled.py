@@ -77,16 +77,6 @@ DIFFUSION_OPTIONS: tuple[tuple[str, object], ...] = (
     ("epilogue_fusion", False),
 )
 
-# Inductor settings that shorten a first compile: no loop reordering after fusion (part of the
-# scheduler's time) and one launch configuration per pointwise kernel instead of timing several on
-# the first run. A candidate to measure (the node's CNA_COMPILE_QUICK=1), not a default; level 2
-# also turns inductor's pattern-matching graph passes off.
-QUICK_OPTIONS: tuple[tuple[str, object], ...] = (
-    ("loop_ordering_after_fusion", False),
-    ("triton.autotune_pointwise", False),
-)
-QUICK_OPTIONS_2: tuple[tuple[str, object], ...] = (*QUICK_OPTIONS, ("pattern_matcher", False))
-
 # Functions dynamo leaves in a graph that AOTAutograd's cache does not know, marked safe to cache
 # (``torch._inductor.config.unsafe_marked_cacheable_functions``). ComfyUI's attention on NVIDIA
 # GPUs runs SDPA inside ``sdpa_kernel(priority, set_priority=True)``, which dynamo records as

@@ -281,16 +281,6 @@ VARIANTS["graph_compiled_tuned"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=18, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_tuned"] = {"CNA_COMPILE_TUNING": "1"}
-# Compiled mode with the inductor settings that shorten the first compile (CNA_COMPILE_QUICK=1;
-# _2: also without inductor's pattern-matching passes). max_graphs 15 and 14: nodes of their own.
-VARIANTS["graph_compiled_quick"] = _insert_model_node(
-    "CNA_CUDAGraph", enabled=True, max_graphs=15, verify=False, compile="inductor"
-)
-VARIANT_ENV["graph_compiled_quick"] = {"CNA_COMPILE_QUICK": "1"}
-VARIANTS["graph_compiled_quick_2"] = _insert_model_node(
-    "CNA_CUDAGraph", enabled=True, max_graphs=14, verify=False, compile="inductor"
-)
-VARIANT_ENV["graph_compiled_quick_2"] = {"CNA_COMPILE_QUICK": "2"}
 # Compiled mode with the ControlNets before the UNet on one stream (concurrent_controlnet off;
 # on, the default, they run beside it).
 VARIANTS["graph_compiled_serial"] = _insert_model_node(

@@ -45,8 +45,6 @@ import weakref
 
 from ..graphs.compiled import (
     DIFFUSION_OPTIONS,
-    QUICK_OPTIONS,
-    QUICK_OPTIONS_2,
     CompileCache,
     CompileOptions,
     CompileProgress,
@@ -74,10 +72,6 @@ DEDUPE_ENV = "CNA_COMPILE_DEDUP"
 # convolutions as matrix multiplies, Triton kernel configurations tuned by coordinate descent on
 # the first run, no epilogue fusion). Opt-in, to measure the step against the longer first run.
 TUNING_ENV = "CNA_COMPILE_TUNING"
-# 1: inductor settings that shorten the first compile (graphs.compiled.QUICK_OPTIONS: no loop
-# reordering after fusion, one launch configuration per pointwise kernel); 2: also without
-# inductor's pattern-matching passes. Opt-in, to measure the first compile against the step.
-QUICK_ENV = "CNA_COMPILE_QUICK"
 # 1: at the graph break where the UNet waits for the ControlNets' stream, dynamo resumes inside
 # the function that waits instead of tracing the UNet's enclosing frames again
 # (graphs.compiled.CompileOptions.nested_breaks). Opt-in: torch marks it experimental.
@@ -135,7 +129,6 @@ def options_for(choice: str) -> CompileOptions | None:
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
     of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once.
     ``CNA_COMPILE_TUNING=1`` adds the inductor settings of diffusers' SD recipe.
-    ``CNA_COMPILE_QUICK=1`` (or ``2``) adds the settings that shorten the first compile.
     ``CNA_COMPILE_NESTED_BREAKS=1`` resumes a graph break in the frame where it is.
     ``CNA_CONTEXT_HOIST=1`` lifts the context projections out of the compiled graphs."""
     base = CHOICES[choice]
@@ -160,9 +153,6 @@ def options_for(choice: str) -> CompileOptions | None:
         base = dataclasses.replace(
             base, inductor_options=(*base.inductor_options, *DIFFUSION_OPTIONS)
         )
-    quick = {"1": QUICK_OPTIONS, "2": QUICK_OPTIONS_2}.get(os.environ.get(QUICK_ENV, "0").strip())
-    if quick:
-        base = dataclasses.replace(base, inductor_options=(*base.inductor_options, *quick))
     if context_hoist_on():
         base = dataclasses.replace(base, lift_context=True)
     backend = os.environ.get(BACKEND_ENV)

@@ -148,25 +148,6 @@ def test_tuning_switch_adds_the_diffusion_recipe_to_inductors_settings(monkeypat
     assert cs.options_for("inductor") == plain
 
 
-def test_quick_switch_adds_the_short_compile_settings(monkeypatch):
-    monkeypatch.delenv(cs.QUICK_ENV, raising=False)
-    plain = cs.options_for("inductor")
-    monkeypatch.setenv(cs.QUICK_ENV, "1")
-    quick = cs.options_for("inductor")
-    cfg = quick.inductor_config()
-    assert quick != plain  # kept apart per model
-    assert cfg["loop_ordering_after_fusion"] is False
-    assert cfg["triton.autotune_pointwise"] is False
-    assert (
-        "pattern_matcher" not in cfg and "loop_ordering_after_fusion" not in plain.inductor_config()
-    )
-    monkeypatch.setenv(cs.QUICK_ENV, "2")
-    cfg2 = cs.options_for("inductor").inductor_config()
-    assert cfg2["pattern_matcher"] is False and cfg2["triton.autotune_pointwise"] is False
-    monkeypatch.setenv(cs.QUICK_ENV, "yes")  # not a level: plain settings
-    assert cs.options_for("inductor") == plain
-
-
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
     allocator("native")
     opts = _tcm_options()
