@@ -33,15 +33,19 @@ def build_kernels(node_id=None) -> bool:
 
 
 def build_for_if_nodes(node_id=None) -> bool:
-    """The *CUDA Graph* nodes with the context projections once per context
-    (``CNA_CONTEXT_HOIST=1``) record CUDA-graph IF nodes, which need the extension where torch
-    has none of its own (before 2.12): built here, with the node's progress bar, whether or not
-    the numeric kernels are used. Returns whether the extension is loaded."""
+    """The *CUDA Graph* nodes with the context projections once per context (compiled mode by
+    default, the exact graphs with ``CNA_CONTEXT_HOIST=1``) record CUDA-graph IF nodes, which
+    need the extension where torch has none of its own (before 2.12): built here, with the
+    node's progress bar, whether or not the numeric kernels are used. Not under cudaMallocAsync,
+    where the projections stay in the step. Returns whether the extension is loaded."""
+    from ..graphs import static_graph
     from ..kernels import _jit, graph_if, registry
 
     progress = _progress(node_id)
     try:
         if graph_if._torch_has_if_nodes() or not _comfy_on_cuda():
+            return False
+        if static_graph._async_allocator():
             return False
         if _jit.is_loaded():
             return True

@@ -151,7 +151,7 @@ class CUDAGraphModel(io.ComfyNode):
         opts = _options(
             "CUDA Graph", enabled, max_graphs, verify, channels_last, concurrent_controlnet, compile
         )
-        if compiled_step.context_hoist_on():
+        if compiled_step.context_hoist_on(compiled=compile != "off"):
             build_for_if_nodes(node_id_of(cls))
         return io.NodeOutput(apply_cuda_graph(model, opts, node_id=node_id_of(cls)))
 
@@ -258,7 +258,7 @@ class KSamplerCUDAGraph(io.ComfyNode):
 
         node_id = node_id_of(cls)
         check_control_family(KSAMPLER, model, positive=positive, negative=negative)
-        if enabled and compiled_step.context_hoist_on():
+        if enabled and compiled_step.context_hoist_on(compiled=compile != "off"):
             build_for_if_nodes(node_id)
         if enabled or node_id is not None:
             # disabled, it samples exactly as KSampler does and only times the run for its

@@ -148,6 +148,23 @@ def test_tuning_switch_adds_the_diffusion_recipe_to_inductors_settings(monkeypat
     assert cs.options_for("inductor") == plain
 
 
+def test_context_projections_are_lifted_in_compiled_mode_by_default(monkeypatch):
+    """Unset, ``CNA_CONTEXT_HOIST`` lifts the context projections out of compiled mode's code and
+    leaves the exact graphs' step as it is; ``1`` and ``0`` decide for both."""
+    monkeypatch.delenv(cs.CONTEXT_HOIST_ENV, raising=False)
+    assert cs.options_for("inductor").lift_context is True
+    assert cs.options_for("inductor max-autotune").lift_context is True
+    assert (cs.context_hoist_on(compiled=True), cs.context_hoist_on()) == (True, False)
+    monkeypatch.setenv(cs.CONTEXT_HOIST_ENV, "0")
+    assert cs.options_for("inductor").lift_context is False
+    assert (cs.context_hoist_on(compiled=True), cs.context_hoist_on()) == (False, False)
+    monkeypatch.setenv(cs.CONTEXT_HOIST_ENV, "1")
+    assert cs.options_for("inductor").lift_context is True
+    assert (cs.context_hoist_on(compiled=True), cs.context_hoist_on()) == (True, True)
+    monkeypatch.setenv(cs.CONTEXT_HOIST_ENV, "yes")  # not a setting: the default
+    assert (cs.context_hoist_on(compiled=True), cs.context_hoist_on()) == (True, False)
+
+
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):
     allocator("native")
     opts = _tcm_options()
