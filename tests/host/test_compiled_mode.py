@@ -438,8 +438,8 @@ def test_compiled_mode_lifts_the_context_projections_and_follows_a_prompt_change
 ):
     """Compiled mode by default (``CNA_CONTEXT_HOIST`` unset): the cross-attentions' key and
     value projections are taken out of the UNet's and both ControlNets' compiled graphs and run
-    once per text context. A prompt that changes at the middle step, and another prompt in the next run, must
-    give stock's result: on the CPU (``aot_eager`` runs the traced ops as they are) bit for bit,
+    once per text context. A prompt that changes at the middle step, and another prompt in the
+    next run, must give stock's result: on the CPU (``aot_eager`` runs the traced ops as they are) bit for bit,
     which a stale projection would break; on a GPU within the exact bar, and within 90 dB of
     compiled mode with the projections inside the compiled code (the same matrix multiplies;
     projections kept from the first prompt put the tiny models' latent near 66 dB)."""
