@@ -310,11 +310,18 @@ VARIANTS["cuda_graph_context_once"] = _insert_model_node(
 )
 VARIANT_ENV["cuda_graph_context_once"] = {"CNA_CONTEXT_HOIST": "1"}
 # Compiled mode with the context projections lifted out of the compiled code and run once per
-# context (CNA_CONTEXT_HOIST=1), against graph_compiled. max_graphs 16.
+# context (CNA_CONTEXT_HOIST=1; compiled mode does so by default, so this is graph_compiled as a
+# node of its own). max_graphs 16.
 VARIANTS["graph_compiled_context_once"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=16, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_context_once"] = {"CNA_CONTEXT_HOIST": "1"}
+# ... and with them inside the compiled code, run at every step (CNA_CONTEXT_HOIST=0), against
+# graph_compiled's default. max_graphs 15.
+VARIANTS["graph_compiled_context_every_step"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=15, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_context_every_step"] = {"CNA_CONTEXT_HOIST": "0"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")
