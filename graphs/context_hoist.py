@@ -494,6 +494,7 @@ class CompiledProjections:
         self.run_id: object = None
         self.hoisted = 0  # projections answered from a buffer in the last pass
         self.computed = 0  # lifted projections computed outside their buffers in it
+        self.said: set[str] = set()  # why the projections stayed in the code, logged once each
 
     # -- the compile backend's side -------------------------------------------------------------
     def lift(self, gm: torch.fx.GraphModule, example_inputs, target) -> tuple | None:
@@ -530,7 +531,9 @@ class CompiledProjections:
         if example_inputs[next(iter(found))].is_cuda:
             why = available()
             if why is not None:  # no IF node here: the projections stay in the compiled code
-                logger.info("context projections stay in the compiled code: %s", why)
+                if why not in self.said:
+                    self.said.add(why)
+                    logger.info("context projections stay in the compiled code: %s", why)
                 return None
         # Dynamo reads its graph's placeholders again after the backend returns: the edit is
         # made on a copy, which keeps what AOTAutograd reads from dynamo's graph module.
