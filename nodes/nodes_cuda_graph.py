@@ -9,7 +9,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..errors import NodeInputError
-from . import compiled_step
+from . import compat, compiled_step
 from .cuda_graph import GraphOptions, apply_cuda_graph
 from .fused_apply import context_width, family
 from .kernel_build import build_for_if_nodes
@@ -151,9 +151,18 @@ class CUDAGraphModel(io.ComfyNode):
         opts = _options(
             "CUDA Graph", enabled, max_graphs, verify, channels_last, concurrent_controlnet, compile
         )
-        if compiled_step.context_hoist_on(compiled=compile != "off"):
+        if _hoists(model, compile):
             build_for_if_nodes(node_id_of(cls))
         return io.NodeOutput(apply_cuda_graph(model, opts, node_id=node_id_of(cls)))
+
+
+def _hoists(model, compile: str) -> bool:
+    """Whether the node's graphs will run the context projections once per context, so the IF
+    nodes' extension is built now: not for a model DynamicVRAM manages (the node hands it back
+    as it came)."""
+    return compiled_step.context_hoist_on(compiled=compile != "off") and not compat.is_dynamic(
+        model
+    )
 
 
 class KSamplerCUDAGraph(io.ComfyNode):
@@ -258,7 +267,7 @@ class KSamplerCUDAGraph(io.ComfyNode):
 
         node_id = node_id_of(cls)
         check_control_family(KSAMPLER, model, positive=positive, negative=negative)
-        if enabled and compiled_step.context_hoist_on(compiled=compile != "off"):
+        if enabled and _hoists(model, compile):
             build_for_if_nodes(node_id)
         if enabled or node_id is not None:
             # disabled, it samples exactly as KSampler does and only times the run for its

@@ -439,10 +439,11 @@ def test_compiled_mode_lifts_the_context_projections_and_follows_a_prompt_change
     """Compiled mode by default (``CNA_CONTEXT_HOIST`` unset): the cross-attentions' key and
     value projections are taken out of the UNet's and both ControlNets' compiled graphs and run
     once per text context. A prompt that changes at the middle step, and another prompt in the
-    next run, must give stock's result: on the CPU (``aot_eager`` runs the traced ops as they are) bit for bit,
-    which a stale projection would break; on a GPU within the exact bar, and within 90 dB of
-    compiled mode with the projections inside the compiled code (the same matrix multiplies;
-    projections kept from the first prompt put the tiny models' latent near 66 dB)."""
+    next run, must give stock's result: on the CPU (``aot_eager`` runs the traced ops as they
+    are) bit for bit, which a stale projection would break; on a GPU within the exact bar, and
+    within 90 dB of compiled mode with the projections inside the compiled code (the same matrix
+    multiplies; projections kept from the first prompt put the tiny models' latent near 66
+    dB)."""
     from tests.host.test_cuda_graph import CKPT, _two_prompts
 
     monkeypatch.delenv("CNA_CONTEXT_HOIST", raising=False)
@@ -516,3 +517,28 @@ def test_cuda_malloc_async_keeps_the_eager_graphs_and_says_why(host, tiny_models
     data = _badge(host, p)
     assert "--disable-cuda-malloc" in data["compiled"]["off"], data
     assert data["captures"] >= 1 and data["replays"] >= 3, data
+
+
+def test_the_if_node_extension_is_built_only_where_the_projections_will_be_hoisted(
+    host, monkeypatch
+):
+    """The CUDA Graph nodes build the IF nodes' extension ahead only where their graphs will run
+    the context projections once per context: compiled mode by default, the exact graphs with
+    ``CNA_CONTEXT_HOIST=1``, never for a model DynamicVRAM manages (handed back as it came)."""
+    ncg = sys.modules[host.pack_module_name].nodes.nodes_cuda_graph
+
+    class Plain:
+        def is_dynamic(self):
+            return False
+
+    class Dynamic:
+        def is_dynamic(self):
+            return True
+
+    monkeypatch.delenv("CNA_CONTEXT_HOIST", raising=False)
+    assert ncg._hoists(Plain(), "inductor") and ncg._hoists(Plain(), "inductor max-autotune")
+    assert not ncg._hoists(Plain(), "off") and not ncg._hoists(Dynamic(), "inductor")
+    monkeypatch.setenv("CNA_CONTEXT_HOIST", "1")
+    assert ncg._hoists(Plain(), "off") and not ncg._hoists(Dynamic(), "off")
+    monkeypatch.setenv("CNA_CONTEXT_HOIST", "0")
+    assert not ncg._hoists(Plain(), "inductor")
