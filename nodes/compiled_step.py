@@ -79,9 +79,9 @@ NESTED_ENV = "CNA_COMPILE_NESTED_BREAKS"
 # The cross-attentions' key and value projections of the text context run once per context, in
 # a CUDA-graph IF node, instead of at every step (graphs/context_hoist.py). "1": in the exact
 # graphs (bit-identical) and in compiled mode (lifted out of the compiled code); "0": in neither.
-# Unset (or any other value): in compiled mode only, where it took 1.4 ms (3.1%) off SDXL 1024²'s
-# step with the same latent; the exact graphs gained 0.5-1.0 ms there and keep it opt-in
-# (docs/benchmarks.md). Either way it needs PyTorch's native allocator.
+# Unset (or any other value): in compiled mode only, where on an H100 it took 1.4 ms (3.1%) off
+# SDXL 1024²'s step with the same latent; the exact graphs gained 0.5-1.0 ms there and keep it
+# opt-in (docs/benchmarks.md). Either way it needs PyTorch's native allocator.
 CONTEXT_HOIST_ENV = "CNA_CONTEXT_HOIST"
 
 
