@@ -59,6 +59,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..logger import logger
+from . import stream_join
 
 PACK_DIR = "comfyui-controlnet-accelerator"
 CACHE_ENV = "CNA_COMPILE_CACHE"
@@ -141,7 +142,10 @@ class CompileOptions:
     function instead of tracing the enclosing frames again (its ``nested_graph_breaks``).
     ``lift_context``: compiled with the cross-attentions' context projections taken out of the
     graphs (their owner gives the cache its ``lift`` hook: graphs/context_hoist.py); a field
-    here so that code compiled with and without them is kept apart."""
+    here so that code compiled with and without them is kept apart. ``traced_join``: where the
+    UNet waits for the ControlNets' stream, the wait is an op of its graph
+    (graphs/stream_join.py); False: a call dynamo does not trace, the compiled code in parts
+    around it. A field for the same reason."""
 
     mode: str = "default"
     dynamic: str = "static"
@@ -153,6 +157,7 @@ class CompileOptions:
     dedupe_regions: bool = False
     nested_breaks: bool = False
     lift_context: bool = False
+    traced_join: bool = True
 
     def __post_init__(self):
         for field, value, allowed in (
@@ -898,7 +903,10 @@ class CompiledModule:
         if self.options.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            out = compile_fx(gm, example_inputs, config_patches=self.options.inductor_config())
+            config = self.options.inductor_config()
+            if stream_join.holds(gm):  # keep the wait for the ControlNets' stream in place
+                config.update(stream_join.ORDER_OPTIONS)
+            out = compile_fx(gm, example_inputs, config_patches=config)
         else:
             out = torch._dynamo.lookup_backend(self.options.backend)(gm, example_inputs)
         if wrap is not None:
@@ -1102,6 +1110,7 @@ def options_from_torch_compile(
         dedupe_regions=base.dedupe_regions,
         nested_breaks=base.nested_breaks,
         lift_context=base.lift_context,
+        traced_join=base.traced_join,
     )
     return opts, notes
 

@@ -76,6 +76,12 @@ TUNING_ENV = "CNA_COMPILE_TUNING"
 # the function that waits instead of tracing the UNet's enclosing frames again
 # (graphs.compiled.CompileOptions.nested_breaks). Opt-in: torch marks it experimental.
 NESTED_ENV = "CNA_COMPILE_NESTED_BREAKS"
+# With the ControlNets beside the UNet, the UNet's stream waits for theirs where it first reads
+# a residual. "0": that wait is a call dynamo does not trace, and the UNet's compiled code
+# breaks there into parts (dynamo then traces the enclosing frames again on every compile and
+# restart). Otherwise it is an op kept in the one compiled graph (graphs/stream_join.py),
+# which inductor compiles in the traced program's order so that the op stays where it is.
+TRACED_JOIN_ENV = "CNA_COMPILE_TRACED_JOIN"
 # The cross-attentions' key and value projections of the text context run once per context, in
 # a CUDA-graph IF node, instead of at every step (graphs/context_hoist.py). "1": in the exact
 # graphs (bit-identical) and in compiled mode (lifted out of the compiled code); "0": in neither.
@@ -83,6 +89,12 @@ NESTED_ENV = "CNA_COMPILE_NESTED_BREAKS"
 # SDXL 1024²'s step with the same latent; the exact graphs gained 0.5-1.0 ms there and keep it
 # opt-in (docs/benchmarks.md). Either way it needs PyTorch's native allocator.
 CONTEXT_HOIST_ENV = "CNA_CONTEXT_HOIST"
+
+
+def traced_join_on() -> bool:
+    """Whether compiled mode's wait for the ControlNets' stream is an op of the UNet's graph
+    (``$CNA_COMPILE_TRACED_JOIN``, above)."""
+    return os.environ.get(TRACED_JOIN_ENV, "").strip() != "0"
 
 
 def context_hoist_on(compiled: bool = False) -> bool:
@@ -136,7 +148,8 @@ def options_for(choice: str) -> CompileOptions | None:
     of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once.
     ``CNA_COMPILE_TUNING=1`` adds the inductor settings of diffusers' SD recipe.
     ``CNA_COMPILE_NESTED_BREAKS=1`` resumes a graph break in the frame where it is.
-    The context projections are lifted out of the compiled graphs unless ``CNA_CONTEXT_HOIST=0``."""
+    The context projections are lifted out of the compiled graphs unless ``CNA_CONTEXT_HOIST=0``.
+    ``CNA_COMPILE_TRACED_JOIN=0`` makes the wait for the ControlNets' stream a graph break."""
     base = CHOICES[choice]
     if base is None:
         return None
@@ -161,6 +174,8 @@ def options_for(choice: str) -> CompileOptions | None:
         )
     if context_hoist_on(compiled=True):
         base = dataclasses.replace(base, lift_context=True)
+    if not traced_join_on():
+        base = dataclasses.replace(base, traced_join=False)
     backend = os.environ.get(BACKEND_ENV)
     if backend:
         base = dataclasses.replace(base, backend=backend)  # CompileOptions validates it

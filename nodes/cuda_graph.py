@@ -25,13 +25,14 @@ the graph with or without that ControlNet, so inactive steps skip its compute as
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import is_out_of_memory
-from ..graphs import CaptureFailed, context_hoist
+from ..graphs import CaptureFailed, context_hoist, stream_join
 from ..graphs.compiled import CompileOptions, untraced
 from ..graphs.hint_encoding import encode, encoder_of
 from ..logger import logger
@@ -45,6 +46,7 @@ from .graph_deferral import (  # noqa: F401  (ControlCall, _JoinOnUse: used by t
     join_stream,
     on_stream,
     residual_tensors,
+    traced_join,
 )
 from .graph_state import (  # noqa: F401  (_STATES, graph_stats: tests and tools)
     _STATES,
@@ -479,10 +481,13 @@ class CudaGraphPatch:
         names = plan.names
         comp = compiled_step.run_of(topts)
         concurrent = self.options.concurrent_controlnet
-        # Compiled mode: the wait for the ControlNets' stream is a call dynamo does not trace,
-        # so the UNet's compiled code runs in parts with the wait between them, where the
-        # first residual is read (after the middle block for an SD ControlNet).
-        wait = untraced(join_stream) if comp is not None else None
+        # Compiled mode: the wait for the ControlNets' stream is an op of the UNet's compiled
+        # graph, where the first residual is read (after the middle block for an SD
+        # ControlNet), made through stream_join.waiting below. CNA_COMPILE_TRACED_JOIN=0: a
+        # call dynamo does not trace, the compiled code then in parts with the wait between.
+        wait = None
+        if comp is not None:
+            wait = traced_join if comp.options.traced_join else untraced(join_stream)
 
         def fn(*static):
             t0 = time.perf_counter()
@@ -518,15 +523,21 @@ class CudaGraphPatch:
                             ev = torch.cuda.Event()
                             ev.record(side)
                             ctrl = _JoinOnUse(ctrl, ev, wait)
-                    return executor(
-                        by_name["x"],
-                        by_name["t"],
-                        by_name.get("c_concat"),
-                        by_name.get("c_crossattn"),
-                        ctrl,
-                        topts,
-                        **kw,
+                    joins = (
+                        stream_join.waiting(functools.partial(join_stream, ctrl))
+                        if isinstance(ctrl, _JoinOnUse)
+                        else contextlib.nullcontext()
                     )
+                    with joins:
+                        return executor(
+                            by_name["x"],
+                            by_name["t"],
+                            by_name.get("c_concat"),
+                            by_name.get("c_crossattn"),
+                            ctrl,
+                            topts,
+                            **kw,
+                        )
             finally:
                 # the Memory Pool's weights prepared ahead on their side streams join first
                 # (inside a capture, every forked stream must be joined before it ends)

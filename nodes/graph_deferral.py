@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..graphs import stream_join
+
 
 class _DeferredControl:
     """Stands in for a control object inside one ``calc_cond_batch`` call."""
@@ -95,16 +97,27 @@ def join_stream(residuals: _JoinOnUse) -> None:
     torch.cuda.current_stream().wait_event(residuals.event)
 
 
+def traced_join(residuals: _JoinOnUse) -> torch.Tensor:
+    """The join as an op of the compiled graph (graphs/stream_join.py): it makes the wait that
+    ``stream_join.waiting`` set for the UNet's call, and returns the one that gates the
+    residuals. Dynamo traces this function, so the UNet compiles as one graph."""
+    first = next(t for t in residual_tensors(residuals, join=False))
+    return stream_join.gate(first)
+
+
 class _JoinOnUse(dict):
     """The residual dict of ControlNets that ran on a side stream. The UNet's stream waits for
     the side stream just before it first reads a residual (an empty list, like the ``input``
     entry of an SD ControlNet, needs no wait), so the input blocks overlap the ControlNets.
 
-    ``wait(residuals)`` makes the wait (default ``join_stream``). Compiled mode hands one that
-    dynamo never traces (``graphs.compiled.untraced``): the UNet's compiled code then breaks
-    where the first residual is read, and the wait runs between its parts. It is handed the
-    dict itself, so traced code never reads the event (whose value, new per capture, dynamo
-    would otherwise guard on)."""
+    ``wait(residuals)`` makes the wait (default ``join_stream``) and returns None, or a 0-dim
+    tensor that every residual is then multiplied by, in place in the dict (``traced_join``:
+    a one that carries the wait in compiled code). Compiled mode hands ``traced_join``, or,
+    with ``CNA_COMPILE_TRACED_JOIN=0``, a call dynamo never traces
+    (``graphs.compiled.untraced``): the UNet's compiled code then breaks where the first
+    residual is read, and the wait runs between its parts. Either is handed the dict itself, so
+    traced code never reads the event (whose value, new per capture, dynamo would otherwise
+    guard on)."""
 
     def __init__(self, d: dict, event, wait=None):
         super().__init__(d)
@@ -113,15 +126,25 @@ class _JoinOnUse(dict):
         self._joined = False
 
     def _join(self) -> None:
-        if not self._joined:
-            self._wait(self)
-            self._joined = True
+        if self._joined:
+            return
+        self._joined = True
+        one = self._wait(self)
+        if one is None:
+            return
+        for k, v in dict.items(self):
+            if isinstance(v, list):  # in place: ComfyUI pops from these lists
+                v[:] = [r if r is None else r * one for r in v]
+            elif isinstance(v, tuple):
+                dict.__setitem__(self, k, tuple(r if r is None else r * one for r in v))
+            elif isinstance(v, torch.Tensor):
+                dict.__setitem__(self, k, v * one)
 
     def __getitem__(self, k):
-        v = super().__getitem__(k)
-        if v:  # something the UNet will read
-            self._join()
-        return v
+        v = dict.__getitem__(self, k)
+        if v is not None and (not isinstance(v, (list, tuple)) or len(v) > 0):
+            self._join()  # something the UNet will read
+        return super().__getitem__(k)
 
     def get(self, k, default=None):
         return self[k] if k in self else default
@@ -135,10 +158,11 @@ class _JoinOnUse(dict):
         return super().items()
 
 
-def residual_tensors(control: dict) -> list[torch.Tensor]:
-    """Every tensor of a ControlNet residual dict (``{"input": [...], "middle": [...], ...}``)."""
+def residual_tensors(control: dict, join: bool = True) -> list[torch.Tensor]:
+    """Every tensor of a ControlNet residual dict (``{"input": [...], "middle": [...], ...}``);
+    ``join=False`` reads a ``_JoinOnUse`` without joining."""
     out = []
-    for v in control.values():
+    for v in control.values() if join else dict.values(control):
         for t in v if isinstance(v, (list, tuple)) else (v,):
             if isinstance(t, torch.Tensor):
                 out.append(t)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from comfyui_controlnet_accelerator.graphs import compiled as C
 from comfyui_controlnet_accelerator.graphs.compiled import CompileOptions
 from comfyui_controlnet_accelerator.nodes import compiled_step as cs
 
@@ -163,6 +164,22 @@ def test_context_projections_are_lifted_in_compiled_mode_by_default(monkeypatch)
     assert (cs.context_hoist_on(compiled=True), cs.context_hoist_on()) == (True, True)
     monkeypatch.setenv(cs.CONTEXT_HOIST_ENV, "yes")  # not a setting: the default
     assert (cs.context_hoist_on(compiled=True), cs.context_hoist_on()) == (True, False)
+
+
+def test_the_join_is_traced_unless_switched_off_and_the_two_are_kept_apart(monkeypatch):
+    """``CNA_COMPILE_TRACED_JOIN`` unset: the UNet's wait for the ControlNets' stream is an op of
+    its graph; ``0``: a graph break. The setting is part of the compile settings, so a model's
+    graphs and compiled code made with one are never served for the other; TorchCompileModel's
+    settings take it from the pack's."""
+    monkeypatch.delenv(cs.TRACED_JOIN_ENV, raising=False)
+    traced = cs.options_for("inductor")
+    assert traced.traced_join is True and cs.traced_join_on()
+    monkeypatch.setenv(cs.TRACED_JOIN_ENV, "0")
+    untraced = cs.options_for("inductor")
+    assert untraced.traced_join is False and untraced != traced
+    assert C.options_from_torch_compile({"backend": "inductor"}, untraced)[0].traced_join is False
+    monkeypatch.setenv(cs.TRACED_JOIN_ENV, "1")
+    assert cs.options_for("inductor") == traced
 
 
 def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allocator):

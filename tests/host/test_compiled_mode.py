@@ -426,6 +426,75 @@ def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts
     assert ((ref.float() - bare.float()).norm() / ref.float().norm()).item() > 10 * tol
 
 
+def test_unet_compiled_with_the_traced_join_is_one_graph_waiting_after_the_middle_block(
+    host, native, tiny_models, compile_backend
+):
+    """Compiled mode's default join (``traced_join``): the wait for the ControlNets' stream is an
+    op of the UNet's graph, so ComfyUI's UNet compiles as one graph, with no graph break; the
+    op comes after every convolution of the input blocks and the middle block (where the first
+    residual is read) and before the output blocks'; it makes the wait once per call; a new
+    dict of the same shapes runs the same compiled code; the output is the eager UNet's."""
+    import comfy.sd
+    from torch._dynamo.utils import counters
+
+    pack = sys.modules[host.pack_module_name]
+    C, gd, sj = pack.graphs.compiled, pack.nodes.graph_deferral, pack.graphs.stream_join
+    model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
+    )
+    unet = model.model.diffusion_model.to("cpu" if host.cpu else "cuda")
+    p0 = next(unet.parameters())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 4, 16, 16, generator=g).to(p0)
+    t = torch.tensor([500.0, 700.0], device=p0.device)
+    ctx = torch.randn(2, 77, 768, generator=g).to(p0)
+    middle, output = _residuals_for(unet, x, t, ctx)
+
+    def plain():
+        return {"input": [], "middle": list(middle), "output": list(output)}
+
+    with torch.no_grad():
+        ref = unet._forward(x, t, context=ctx, control=plain(), transformer_options={})
+    before_first_read = sum(
+        isinstance(m, torch.nn.Conv2d)
+        for blocks in (unet.input_blocks, unet.middle_block)
+        for m in blocks.modules()
+    )
+    order: list[list[str]] = []  # per graph handed to the backend: its convolutions and the op
+
+    def note_order(gm):
+        order.append(
+            [
+                "gate" if "gate" in str(n.target) else "conv"
+                for n in gm.graph.nodes
+                if n.op == "call_function" and ("conv" in str(n.target) or "gate" in str(n.target))
+            ]
+        )
+
+    opts = C.CompileOptions(backend=compile_backend, graph_passes=(note_order,))
+    cm = C.CompiledModule(unet, "UNet", opts, method="_forward")
+    waits: list[str] = []
+    counters.clear()
+    with torch.no_grad():
+        for call in ("e1", "e2"):
+            with sj.waiting(lambda call=call: waits.append(call)):
+                got = cm(
+                    x,
+                    t,
+                    context=ctx,
+                    control=gd._JoinOnUse(plain(), call, gd.traced_join),
+                    transformer_options={},
+                )
+            tol = C.PARITY_TOL[ref.dtype]  # relative L2: fused code keeps fp32 where eager rounds
+            err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+            assert err <= tol, (err, tol)
+    assert cm.compiles == 1 and not cm.failed and cm.eager_calls == 0, (cm.failed, cm.stats())
+    assert cm.graphs == 1 and len(order) == 1 and not counters["graph_break"], (order, counters)
+    assert waits == ["e1", "e2"], waits
+    assert order[0].count("gate") == 1, order
+    assert order[0].index("gate") == before_first_read, (order, before_first_read)
+
+
 def test_compiled_controlnets_before_the_unet_match_stock(host, native, tiny_models):
     """``concurrent_controlnet`` off in compiled mode: the ControlNets' compiled code runs before
     the UNet's on one stream (on by default, and on a GPU, it runs on the side stream, which the
