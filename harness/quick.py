@@ -322,6 +322,13 @@ VARIANTS["graph_compiled_context_every_step"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=15, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_context_every_step"] = {"CNA_CONTEXT_HOIST": "0"}
+# Compiled mode with the UNet's wait for the ControlNets' stream as a call dynamo does not trace
+# (CNA_COMPILE_TRACED_JOIN=0: the UNet's compiled code in parts around it), against
+# graph_compiled's default, the wait as an op of one graph. max_graphs 14.
+VARIANTS["graph_compiled_untraced_join"] = _insert_model_node(
+    "CNA_CUDAGraph", enabled=True, max_graphs=14, verify=False, compile="inductor"
+)
+VARIANT_ENV["graph_compiled_untraced_join"] = {"CNA_COMPILE_TRACED_JOIN": "0"}
 # ComfyUI's own compile node, for comparison (compiles the UNet only; slow first run).
 VARIANTS["compile_inductor"] = _insert_model_node("TorchCompileModel", backend="inductor")
 VARIANTS["compile_cudagraphs"] = _insert_model_node("TorchCompileModel", backend="cudagraphs")

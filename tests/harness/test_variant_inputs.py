@@ -24,6 +24,7 @@ NEWER = {
         "graph_compiled_tuned",
         "graph_compiled_serial",
         "graph_compiled_nested",
+        "graph_compiled_untraced_join",
     )
 }
 
