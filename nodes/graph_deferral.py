@@ -97,12 +97,14 @@ def join_stream(residuals: _JoinOnUse) -> None:
     torch.cuda.current_stream().wait_event(residuals.event)
 
 
-def traced_join(residuals: _JoinOnUse) -> torch.Tensor:
+def traced_join(residuals: _JoinOnUse) -> torch.Tensor | None:
     """The join as an op of the compiled graph (graphs/stream_join.py): it makes the wait that
     ``stream_join.waiting`` set for the UNet's call, and returns the one that gates the
-    residuals. Dynamo traces this function, so the UNet compiles as one graph."""
-    first = next(t for t in residual_tensors(residuals, join=False))
-    return stream_join.gate(first)
+    residuals. Dynamo traces this function, so the UNet compiles as one graph. A dict with no
+    tensor (only None entries) has nothing to gate: None, and the stream is joined after the
+    UNet as always."""
+    tensors = residual_tensors(residuals, join=False)
+    return stream_join.gate(tensors[0]) if tensors else None
 
 
 class _JoinOnUse(dict):

@@ -98,6 +98,11 @@ def test_holds_tells_a_graph_with_the_op_from_one_without():
     assert not stream_join.holds(torch.fx.symbolic_trace(lambda x: x * 2))
 
 
+def test_a_dict_with_no_tensor_hands_out_its_entries_without_the_op():
+    d = gd._JoinOnUse({"input": [], "middle": [None], "output": [None, None]}, None, gd.traced_join)
+    assert d["middle"] == [None] and d["output"] == [None, None]  # no wait set: no op ran
+
+
 def test_compiled_net_is_one_graph_and_waits_once_after_the_middle_block(monkeypatch, tmp_path):
     """Compiled as the pack compiles (``CompiledModule``, which compiles a graph that holds the
     op in the traced program's order)."""
