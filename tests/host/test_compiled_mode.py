@@ -348,22 +348,11 @@ def _residuals_for(unet, x, t, ctx):
     return rand[:1], rand[1:]
 
 
-@pytest.mark.parametrize("nested", [False, True], ids=["enclosing-retraced", "nested-breaks"])
-def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts(
-    host, native, tiny_models, compile_backend, nested
-):
-    """The ControlNets beside the UNet in compiled mode (``concurrent_controlnet``): the
-    residual dict waits for their stream when the UNet first reads a residual. Compiled, that
-    wait is a call dynamo does not trace: ComfyUI's UNet compiles in parts with the wait run
-    between them, once per call, at the middle block's residual (not before the input blocks);
-    a new dict of the same shapes runs the same compiled code; the output is the eager UNet's.
-    The same with dynamo resuming in the frame of the break (``nested_breaks``)."""
+def _tiny_unet_and_inputs(host, tiny_models):
+    """ComfyUI's UNet of the tiny SD1.5 checkpoint on the test device, batch-2 inputs at 16x16,
+    and random residuals of the shapes it adds them at (``_residuals_for``)."""
     import comfy.sd
 
-    pack = sys.modules[host.pack_module_name]
-    C, gd = pack.graphs.compiled, pack.nodes.graph_deferral
-    if nested and not C.nested_breaks_available():
-        pytest.skip("this torch has no nested_graph_breaks")
     model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
         str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
     )
@@ -374,6 +363,24 @@ def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts
     t = torch.tensor([500.0, 700.0], device=p0.device)
     ctx = torch.randn(2, 77, 768, generator=g).to(p0)
     middle, output = _residuals_for(unet, x, t, ctx)
+    return unet, x, t, ctx, middle, output
+
+
+@pytest.mark.parametrize("nested", [False, True], ids=["enclosing-retraced", "nested-breaks"])
+def test_unet_compiled_with_residuals_joined_on_use_waits_once_between_its_parts(
+    host, native, tiny_models, compile_backend, nested
+):
+    """The ControlNets beside the UNet in compiled mode (``concurrent_controlnet``): the
+    residual dict waits for their stream when the UNet first reads a residual. Compiled, that
+    wait is a call dynamo does not trace: ComfyUI's UNet compiles in parts with the wait run
+    between them, once per call, at the middle block's residual (not before the input blocks);
+    a new dict of the same shapes runs the same compiled code; the output is the eager UNet's.
+    The same with dynamo resuming in the frame of the break (``nested_breaks``)."""
+    pack = sys.modules[host.pack_module_name]
+    C, gd = pack.graphs.compiled, pack.nodes.graph_deferral
+    if nested and not C.nested_breaks_available():
+        pytest.skip("this torch has no nested_graph_breaks")
+    unet, x, t, ctx, middle, output = _tiny_unet_and_inputs(host, tiny_models)
     waits: list = []
 
     def record(residuals):
@@ -434,21 +441,11 @@ def test_unet_compiled_with_the_traced_join_is_one_graph_waiting_after_the_middl
     op comes after every convolution of the input blocks and the middle block (where the first
     residual is read) and before the output blocks'; it makes the wait once per call; a new
     dict of the same shapes runs the same compiled code; the output is the eager UNet's."""
-    import comfy.sd
     from torch._dynamo.utils import counters
 
     pack = sys.modules[host.pack_module_name]
     C, gd, sj = pack.graphs.compiled, pack.nodes.graph_deferral, pack.graphs.stream_join
-    model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
-        str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
-    )
-    unet = model.model.diffusion_model.to("cpu" if host.cpu else "cuda")
-    p0 = next(unet.parameters())
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 4, 16, 16, generator=g).to(p0)
-    t = torch.tensor([500.0, 700.0], device=p0.device)
-    ctx = torch.randn(2, 77, 768, generator=g).to(p0)
-    middle, output = _residuals_for(unet, x, t, ctx)
+    unet, x, t, ctx, middle, output = _tiny_unet_and_inputs(host, tiny_models)
 
     def plain():
         return {"input": [], "middle": list(middle), "output": list(output)}
