@@ -13,6 +13,7 @@ ComfyUI is found via $COMFYUI_PATH, the parent of the ``custom_nodes`` folder, o
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import sys
@@ -120,7 +121,12 @@ def host(models_dir):
     """ComfyUI started in this process (CPU unless a GPU is visible), with the pack loaded."""
     if COMFY_ROOT is None:
         pytest.skip(f"needs ComfyUI: {COMFY_MISSING}")
-    return comfy_host.bootstrap(models_dir=models_dir, cpu=os.environ.get("CNA_TEST_GPU") != "1")
+    started = comfy_host.bootstrap(models_dir=models_dir, cpu=os.environ.get("CNA_TEST_GPU") != "1")
+    # What is alive now (torch, ComfyUI and the pack, imported) lives as long as the process:
+    # the collector stops walking it, so the full collection after each host test walks only
+    # what the tests made since.
+    gc.freeze()
+    return started
 
 
 @pytest.fixture(scope="session")

@@ -46,15 +46,14 @@ _LIBC = _libc()
 def release_memory() -> None:
     """Unload every model ComfyUI holds, drop unreachable objects (executors, their output
     caches, captured graphs), and hand freed heap back to the system."""
-    if "comfy.model_management" in sys.modules:
-        import comfy.model_management as mm
-
+    mm = sys.modules.get("comfy.model_management")
+    if mm is not None:
         mm.unload_all_models()
-        gc.collect()
+    gc.collect()  # one full collection, after the unload: nothing becomes garbage after it
+    if mm is not None:
         if hasattr(mm, "cleanup_models_gc"):
             mm.cleanup_models_gc()
         mm.soft_empty_cache()
-    gc.collect()
     if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):
         _LIBC.malloc_trim(0)  # glibc keeps freed arenas otherwise; RSS would only grow
 
