@@ -15,7 +15,6 @@
 // Memory-bound: (N + 1) reads (+1 for accumulate) and one write per element.
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
