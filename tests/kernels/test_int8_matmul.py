@@ -167,6 +167,7 @@ _LOOP_BOUND_PROBE = textwrap.dedent(
 
 
 def _interpreter_takes_loop_bounds(env: dict) -> tuple[bool, str]:
+    """Whether the probe ran in the interpreter, and the end of its error output."""
     res = subprocess.run(
         [sys.executable, "-c", _LOOP_BOUND_PROBE], capture_output=True, text=True, env=env,
         timeout=300,
@@ -198,7 +199,7 @@ def test_the_kernel_in_the_interpreter_matches_the_reference(tmp_path):
     )  # fmt: skip
     if res.returncode != 0:
         ok, why = _interpreter_takes_loop_bounds(env)
-        if not ok:
+        if not ok and "0-dimensional arrays" in why:
             import numpy
             import triton
 
