@@ -271,6 +271,171 @@ DYNAMIC_PASS_THROUGH = (
 )
 
 
+def dynamic_pass_through(why: str | None) -> str:
+    """What the CUDA Graph nodes say when they hand a DynamicVRAM model on unchanged: why no
+    classic copy could be used (``classic_delegate``), then what to do."""
+    if not why:
+        return DYNAMIC_PASS_THROUGH
+    return f"{DYNAMIC_PASS_THROUGH} (no classic copy: {why})"
+
+
+# ---- DynamicVRAM: classic copies for the graphs ---------------------------------------------
+
+# A classic copy is used only for a network at most this share of the GPU's memory: a larger
+# one would be loaded partly (lowvram), which no graph can hold either, and DynamicVRAM streams
+# it better than the classic partial load.
+CLASSIC_VRAM_SHARE = 0.5
+# System RAM a classic copy needs free, as a multiple of its weights (the copy itself, plus the
+# state dict read from disk while it is built).
+CLASSIC_RAM_FACTOR = 1.5
+GiB = 1024**3
+
+
+def _room_for(patcher, size: int, in_ram: bool) -> str | None:
+    """Why a classic copy of ``size`` bytes of ``patcher``'s network does not fit, or None."""
+    import comfy.model_management as mm
+    import torch
+
+    try:
+        total = mm.get_total_memory(patcher.load_device)
+    except Exception:  # an unknown device: leave the model to DynamicVRAM
+        return "this GPU's memory size is unknown"
+    if size > CLASSIC_VRAM_SHARE * total:
+        return (
+            f"its weights ({size / GiB:.1f} GiB) are over {CLASSIC_VRAM_SHARE:.0%} of this GPU's "
+            f"{total / GiB:.1f} GiB, which DynamicVRAM streams better than a partial load"
+        )
+    if in_ram:
+        free = mm.get_free_memory(torch.device("cpu"))
+        if free < CLASSIC_RAM_FACTOR * size:
+            return (
+                f"a copy needs about {CLASSIC_RAM_FACTOR * size / GiB:.1f} GiB of free system "
+                f"RAM and {free / GiB:.1f} GiB is free"
+            )
+    return None
+
+
+def classic_delegate(patcher):
+    """``(copy, None)`` or ``(None, why)``: a classic (not DynamicVRAM) ModelPatcher of the
+    model ``patcher`` manages under DynamicVRAM, for the CUDA Graph nodes.
+
+    It is ComfyUI's own non-dynamic delegate (``ModelPatcherDynamic.get_non_dynamic_delegate``,
+    which CFGGuider uses for hooked conditioning): a clone with the same patches, wrappers and
+    options whose diffusion model ComfyUI reads again from the checkpoint with DynamicVRAM off
+    (the loader's ``cached_patcher_init``: the diffusion model only). ComfyUI keeps that model
+    on ``patcher``, so later runs of the same loaded model do not read it again. It costs a
+    second copy of the diffusion model in system RAM while the workflow holds both. ``None``
+    when this ComfyUI has no delegate, the loader cannot load the model again (a custom loader),
+    or the copy does not fit (``_room_for``); the model is then left to DynamicVRAM."""
+    get = getattr(patcher, "get_non_dynamic_delegate", None)
+    if not callable(get):
+        return None, "this ComfyUI cannot make one"
+    if getattr(patcher, "cached_patcher_init", None) is None:
+        return None, "its loader cannot load it again (a custom loader)"
+    try:
+        size = int(patcher.model_size())
+    except Exception as e:
+        return None, f"its size is unknown ({e})"
+    reload = getattr(patcher, "non_dynamic_delegate_model", None) is None
+    why = _room_for(patcher, size, in_ram=reload)
+    if why is not None:
+        return None, why
+    if reload:
+        logger.info(
+            "CUDA Graph: DynamicVRAM manages this model; reading its diffusion model again from "
+            "the checkpoint as a classic copy the graphs can hold (%.1f GiB of system RAM, once "
+            "per loaded model)",
+            size / GiB,
+        )
+    try:
+        got = get()
+    except Exception as e:  # never fail the prompt: DynamicVRAM runs it
+        return None, f"loading it failed ({type(e).__name__}: {e})"
+    if is_dynamic(got):
+        return None, "ComfyUI gave a DynamicVRAM copy"
+    return got, None
+
+
+# What DynamicVRAM puts on each layer when it loads a network (``ModelPatcherDynamic.load``) and
+# on the network itself (``ModelPatcherDynamic.__init__``, ``ModelPatcher.__init__``). A classic
+# copy drops them: the layers then answer from their classes (``comfy.ops``: no cast, no weight
+# functions), and a classic ModelPatcher starts the network's load bookkeeping afresh.
+_DYNAMIC_LAYER_STATE = (
+    "_v",
+    "_v_block",
+    "_v_signature",
+    "_pin_state",
+    "seed_key",
+    "comfy_cast_weights",
+    "prev_comfy_cast_weights",
+    "weight_function",
+    "bias_function",
+    "weight_lowvram_function",
+    "bias_lowvram_function",
+)
+_PATCHER_STATE = (
+    "dynamic_vbars",
+    "dynamic_pins",
+    "dynamic_patchers",
+    "model_loaded_weight_memory",
+    "lowvram_patch_counter",
+    "model_lowvram",
+    "current_weight_patches_uuid",
+    "model_offload_buffer_memory",
+)
+_PLAIN = (bool, int, float, str, bytes)
+
+
+def classic_network(module):
+    """A deep copy of a network DynamicVRAM manages, without DynamicVRAM's state (the copy's
+    layers have their classes' settings, as a network a classic loader has not loaded yet).
+    That state is never copied: it holds DynamicVRAM's handles to its VRAM range and pinned
+    buffers, which belong to the original."""
+    import copy
+
+    memo: dict = {}
+    for m in module.modules():
+        d = vars(m)
+        names = _DYNAMIC_LAYER_STATE + (_PATCHER_STATE if m is module else ())
+        for name in names:
+            v = d.get(name)
+            if v is not None and not isinstance(v, _PLAIN):
+                memo[id(v)] = None
+    twin = copy.deepcopy(module, memo)
+    for m in twin.modules():
+        d = vars(m)
+        for name in _DYNAMIC_LAYER_STATE + (_PATCHER_STATE if m is twin else ()):
+            d.pop(name, None)
+    return twin
+
+
+def classic_control_patcher(patcher):
+    """``(copy, None)`` or ``(None, why)``: a classic ModelPatcher over a classic copy of the
+    ControlNet network ``patcher`` (a DynamicVRAM one) manages, made as ComfyUI makes a
+    ControlNet's copy for another GPU (``ControlNet.deepclone_multigpu``: a deep copy in a plain
+    ModelPatcher), without DynamicVRAM's state (``classic_network``). A network with weight or
+    object patches on its patcher (the Memory Pool's) is left to DynamicVRAM."""
+    import comfy.model_patcher
+
+    if getattr(patcher, "patches", None) or getattr(patcher, "object_patches", None):
+        return None, "its patcher carries weight or object patches"
+    try:
+        size = int(patcher.model_size())
+    except Exception as e:
+        return None, f"its size is unknown ({e})"
+    why = _room_for(patcher, size, in_ram=True)
+    if why is not None:
+        return None, why
+    try:
+        net = classic_network(patcher.model)
+        got = comfy.model_patcher.ModelPatcher(
+            net, load_device=patcher.load_device, offload_device=patcher.offload_device
+        )
+    except Exception as e:  # never fail the prompt: DynamicVRAM runs it
+        return None, f"copying it failed ({type(e).__name__}: {e})"
+    return got, None
+
+
 def capture_blocker(module) -> str | None:
     """Why a CUDA graph must not capture ``module`` under this ComfyUI, or None.
 

@@ -122,6 +122,12 @@ class CudaGraphPatch:
         st = existing_state(model)
         if st is not None:
             st.run_id += 1
+        if self.options.enabled and model is not None and not compat.is_dynamic(patcher):
+            # DynamicVRAM ControlNets in this run's conds: classic copies, before ComfyUI loads
+            device = getattr(patcher, "load_device", None) or torch.device("cpu")
+            classic_controls(
+                getattr(guider, "conds", None), state_for(model, self.options.max_graphs, device)
+            )
         t0 = time.perf_counter()
         run.timing = [] if run.node_id is not None and torch.cuda.is_available() else None
         if run.timing is not None:
@@ -682,22 +688,40 @@ def _passthrough(cn):
 def apply_cuda_graph(model, options: GraphOptions, node_id=None, node_name: str = "CUDA Graph"):
     """A clone of ``model`` (a ComfyUI ModelPatcher) whose sampling steps run in CUDA graphs.
 
-    A model ComfyUI's DynamicVRAM manages is handed back as it came, not cloned and not wrapped:
-    no graph can hold its weights and compiled mode needs a graph, so the node has nothing to
-    add, and in measurements its eager run was slower than stock's. The log says so once per
-    process and node type (``node_name``, the node the user placed), the node's badge each time
-    the node runs."""
+    Under ComfyUI's DynamicVRAM no graph can hold the model's weights (they are loaded as layers
+    run and evictable between them). The clone is then made of ComfyUI's classic copy of the
+    model (``compat.classic_delegate``), and each run's DynamicVRAM ControlNets get classic
+    copies too (``classic_controls``), so the step is captured as with DynamicVRAM off. Where no
+    classic copy can be had (no room, a custom loader, a Memory Pool model), the model is handed
+    back as it came, not cloned and not wrapped: compiled mode needs a graph, so the node has
+    nothing to add, and in measurements its eager run was slower than stock's. The log says so
+    once per process and node type (``node_name``, the node the user placed), the node's badge
+    each time the node runs."""
+    if compat.is_dynamic(model) and not options.enabled:
+        return model  # a disabled KSampler (CUDA Graph) samples as KSampler does
     if compat.is_dynamic(model):
-        compat.warn_once(
-            f"graph:dynamic:{node_name}", "%s: %s", node_name, compat.DYNAMIC_PASS_THROUGH
+        classic, why = (
+            (None, "the Memory Pool manages it")
+            if _pooled(model)
+            else compat.classic_delegate(model)
         )
-        status.report(
-            node_id,
-            "cuda_graph",
-            ["off: DynamicVRAM manages this model (--disable-dynamic-vram to use graphs)"],
-            {"passed_through": compat.DYNAMIC_PASS_THROUGH},
+        if classic is None:
+            said = compat.dynamic_pass_through(why)
+            compat.warn_once(f"graph:dynamic:{node_name}", "%s: %s", node_name, said)
+            status.report(
+                node_id,
+                "cuda_graph",
+                ["off: DynamicVRAM manages this model (--disable-dynamic-vram to use graphs)"],
+                {"passed_through": said},
+            )
+            return model
+        compat.info_once(
+            f"graph:classic:{node_name}",
+            "%s: DynamicVRAM is on: the graphs run ComfyUI's classic copy of the model, and "
+            "classic copies of its ControlNets, loaded whole on the GPU",
+            node_name,
         )
-        return model
+        model = classic
     import comfy.patcher_extension as pe
 
     m = model.clone()
@@ -724,6 +748,71 @@ def apply_cuda_graph(model, options: GraphOptions, node_id=None, node_name: str 
         m.remove_callbacks_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY)
         m.add_callback_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY, _on_detach)
     return m
+
+
+def _pooled(model) -> bool:
+    """Whether the Memory Pool's wrappers are on ``model`` (its INT8 and streamed layers are
+    object patches made for that model's own weights)."""
+    from .memory_pool import WRAPPER_KEY as POOL_KEY
+
+    wrappers = getattr(model, "wrappers", None) or {}
+    return any(POOL_KEY in (w or {}) for w in wrappers.values())
+
+
+def classic_controls(conds, st) -> None:
+    """Under DynamicVRAM, give this run's ControlNet chains classic copies of their networks, so
+    the graphs can hold them (the model itself is ComfyUI's classic copy: ``apply_cuda_graph``).
+
+    ``conds`` is the guider's per-run copy of its conditioning (``CFGGuider.sample`` copies every
+    entry before the OUTER_SAMPLE wrappers run, and drops the copy after): an entry whose chain
+    has a DynamicVRAM ControlNet is replaced in it by an entry whose chain is new control objects
+    (``copy()``, as the Apply ControlNet nodes make them) on the classic networks, which ComfyUI
+    then loads, prepares and cleans up as it does the originals. The originals, other nodes'
+    cached outputs, are not touched. A network's classic copy is made once and kept with the
+    model's graph state for as long as the original lives (``ModelGraphState.classic_net``).
+    Chains shared by several entries (cond and uncond) stay shared."""
+    if not isinstance(conds, dict):
+        return
+    made: dict[int, object] = {}  # id(original control) -> its copy, for this run
+    for key, entries in list(conds.items()):
+        if not isinstance(entries, list):
+            continue
+        out, changed = [], False
+        for entry in entries:
+            control = entry.get("control") if isinstance(entry, dict) else None
+            if control is not None:
+                twin = _classic_chain(control, made, st)
+                if twin is not control:
+                    entry = {**entry, "control": twin}
+                    changed = True
+            out.append(entry)
+        if changed:
+            conds[key] = out
+
+
+def _classic_chain(control, made: dict, st):
+    chain = chain_of(control)
+    dynamic = [compat.is_dynamic(getattr(cn, "control_model_wrapped", None)) for cn in chain]
+    if not any(dynamic):
+        return control
+    supported = _supported_control_types()
+    if any(type(cn) not in supported for cn in chain):
+        return control  # the step plan runs it eager and says why
+    prev = None
+    for cn, dyn in zip(chain, dynamic, strict=True):
+        got = made.get(id(cn))
+        if got is None:
+            classic = st.classic_net(cn.control_model_wrapped) if dyn else None
+            if dyn and classic is None:
+                return control  # eager, DynamicVRAM's: the log said why
+            got = cn.copy()
+            if classic is not None:
+                got.control_model = classic.model
+                got.control_model_wrapped = classic
+            got.set_previous_controlnet(prev)
+            made[id(cn)] = got
+        prev = got
+    return prev
 
 
 def _on_detach(patcher, unpatch_all=True) -> None:

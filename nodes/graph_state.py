@@ -20,7 +20,7 @@ import torch
 from ..graphs import GraphCache, backend_name
 from ..graphs.hint_encoding import EncodedHintNet, encoder_of
 from ..logger import logger
-from . import status
+from . import compat, status
 
 RUN_KEY = "cna.graph_run"  # the transformer_options entry that holds the run's GraphRun
 
@@ -42,6 +42,9 @@ class ModelGraphState:
         # ControlNet network -> its stand-in that reads the hint encoded outside the graph
         # (graphs/hint_encoding.py); weak keys: bounded by the networks alive
         self.hint_nets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # DynamicVRAM ControlNet network -> the classic ModelPatcher of its classic copy
+        # (cuda_graph.classic_controls); weak keys: the copy goes with the original
+        self.classic_nets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def side_stream(self, x: torch.Tensor):
         """The stream the ControlNets run on beside the UNet (CUDA only; None elsewhere)."""
@@ -75,6 +78,32 @@ class ModelGraphState:
         got = self.hint_nets.get(net)
         if got is None:
             got = self.hint_nets[net] = EncodedHintNet(net)
+        return got
+
+    def classic_net(self, patcher):
+        """The classic ModelPatcher of a classic copy of the ControlNet network ``patcher``
+        manages under DynamicVRAM, made once per network (``compat.classic_control_patcher``);
+        None, with the reason logged once, when none can be made."""
+        net = getattr(patcher, "model", None)
+        if net is None:
+            return None
+        got = self.classic_nets.get(net)
+        if got is None:
+            got, why = compat.classic_control_patcher(patcher)
+            if got is None:
+                compat.warn_once(
+                    f"graph:classic-cn:{why}",
+                    "CUDA Graph: a DynamicVRAM ControlNet runs eager, as DynamicVRAM's (no "
+                    "classic copy: %s)",
+                    why,
+                )
+                return None
+            logger.info(
+                "CUDA Graph: DynamicVRAM manages a ControlNet; made a classic copy the graphs "
+                "can hold (%.2f GiB)",
+                got.model_size() / 1024**3,
+            )
+            self.classic_nets[net] = got
         return got
 
     def fingerprint(self, module: torch.nn.Module) -> Hashable:

@@ -151,15 +151,16 @@ class CUDAGraphModel(io.ComfyNode):
         opts = _options(
             "CUDA Graph", enabled, max_graphs, verify, channels_last, concurrent_controlnet, compile
         )
-        if _hoists(model, compile):
+        out = apply_cuda_graph(model, opts, node_id=node_id_of(cls))
+        if _hoists(out, compile):
             build_for_if_nodes(node_id_of(cls))
-        return io.NodeOutput(apply_cuda_graph(model, opts, node_id=node_id_of(cls)))
+        return io.NodeOutput(out)
 
 
 def _hoists(model, compile: str) -> bool:
-    """Whether the node's graphs will run the context projections once per context, so the IF
-    nodes' extension is built now: not for a model DynamicVRAM manages (the node hands it back
-    as it came)."""
+    """Whether the node's graphs (``model``: the node's output) will run the context projections
+    once per context, so the IF nodes' extension is built now: not for a model DynamicVRAM
+    manages (the node handed it back as it came)."""
     return compiled_step.context_hoist_on(compiled=compile != "off") and not compat.is_dynamic(
         model
     )
@@ -267,8 +268,6 @@ class KSamplerCUDAGraph(io.ComfyNode):
 
         node_id = node_id_of(cls)
         check_control_family(KSAMPLER, model, positive=positive, negative=negative)
-        if enabled and _hoists(model, compile):
-            build_for_if_nodes(node_id)
         if enabled or node_id is not None:
             # disabled, it samples exactly as KSampler does and only times the run for its
             # badge (a stock baseline beside an accelerated branch in one workflow)
@@ -282,6 +281,8 @@ class KSamplerCUDAGraph(io.ComfyNode):
                 compile,
             )
             model = apply_cuda_graph(model, opts, node_id=node_id, node_name=KSAMPLER)
+            if enabled and _hoists(model, compile):
+                build_for_if_nodes(node_id)
         (latent,) = nodes.common_ksampler(
             model,
             seed,

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""CUDA Graph on classic copies of DynamicVRAM models (ComfyUI 0.33+).
+
+Under DynamicVRAM no graph can hold a model's weights, so the CUDA Graph nodes run ComfyUI's
+classic copy of the model (its non-dynamic delegate, read again from the checkpoint) and
+classic copies of each run's ControlNets. DynamicVRAM needs an NVIDIA GPU; on the CPU these
+tests stand in for it with the tiny models' own patchers answering ``is_dynamic()`` as
+DynamicVRAM's do, the model's delegate being ComfyUI's own code
+(``ModelPatcherDynamic.get_non_dynamic_delegate``), and DynamicVRAM's per-layer state put on
+the ControlNet's layers so that a graph of the original network is refused. Tolerance:
+bit-identical to stock, since the copies hold the same weights and the graph path is exact.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
+
+STEPS = 3
+
+
+def _pack(host):
+    return sys.modules[host.pack_module_name]
+
+
+@pytest.fixture
+def delegate_class(host):
+    """A ModelPatcher class whose instances say they are DynamicVRAM's and hand out ComfyUI's
+    non-dynamic delegate, as ``ModelPatcherDynamic`` does (0.33+ only)."""
+    import comfy.model_patcher as mp
+
+    dyn = getattr(mp, "ModelPatcherDynamic", None)
+    if dyn is None or not hasattr(dyn, "get_non_dynamic_delegate"):
+        pytest.skip(f"ComfyUI {host.version} has no DynamicVRAM (0.33+)")
+
+    class Dynamic(mp.ModelPatcher):
+        def is_dynamic(self):
+            return True
+
+        get_non_dynamic_delegate = dyn.get_non_dynamic_delegate
+
+    return Dynamic
+
+
+def _checkpoint(tiny_models):
+    import comfy.sd
+
+    model, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
+    )
+    return model
+
+
+def _as_dynamic(model, cls):
+    """The model as DynamicVRAM's patcher (on a GPU with DynamicVRAM on, it is one already)."""
+    if model.is_dynamic():
+        return model
+    model.__class__ = cls
+    model.non_dynamic_delegate_model = None
+    return model
+
+
+def _mark_dynamic_layers(net) -> int:
+    """DynamicVRAM's state on a network, as its load leaves it: a VRAM-range slice (``_v``) and
+    pinned-buffer handles per layer (which cannot be copied), cast flags, and its bookkeeping on
+    the network. Returns how many layers got a slice."""
+    lock = threading.Lock()  # deepcopy refuses it: the copy must never touch these
+    n = 0
+    for m in net.modules():
+        if hasattr(m, "comfy_cast_weights"):
+            m._v = (object(), n, 16)
+            m._pin_state = {"buffers": lock}
+            m.comfy_cast_weights = True
+            m.seed_key = f"layer{n}"
+            n += 1
+    net.dynamic_pins = {"cpu": lock}
+    net.model_loaded_weight_memory = 123
+    return n
+
+
+def _controlled(cn, width=768):
+    import nodes
+
+    g = torch.Generator().manual_seed(5)
+    pos = [[torch.randn(1, 77, width, generator=g), {}]]
+    neg = [[torch.randn(1, 77, width, generator=g), {}]]
+    hint = torch.rand(1, 64, 64, 3, generator=g)
+    return nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 0.8, 0.0, 1.0)
+
+
+def _sample(model, pos, neg):
+    import nodes
+
+    latent = {"samples": torch.zeros(1, 4, 8, 8)}
+    (out,) = nodes.common_ksampler(model, 7, STEPS, 5.0, "euler", "normal", pos, neg, latent)
+    return out["samples"]
+
+
+def test_classic_network_drops_dynamic_vram_state_and_keeps_the_weights(host, tiny_models):
+    import comfy.controlnet
+
+    compat = _pack(host).nodes.compat
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    net = cn.control_model
+    layers = _mark_dynamic_layers(net)
+    assert layers > 0 and compat.dynamic_layers(net) == layers
+    assert compat.capture_blocker(net) is not None
+
+    twin = compat.classic_network(net)
+
+    assert compat.dynamic_layers(twin) == 0 and compat.capture_blocker(twin) is None
+    for m in twin.modules():
+        for name in ("_v", "_pin_state", "seed_key", "comfy_cast_weights", "dynamic_pins"):
+            assert name not in vars(m), (type(m).__name__, name)
+        if hasattr(m, "comfy_cast_weights"):  # as the layer's class has it, not DynamicVRAM's
+            assert m.comfy_cast_weights is type(m).comfy_cast_weights
+    assert "model_loaded_weight_memory" not in vars(twin)
+    # the original keeps its state; the weights are equal and not shared
+    assert compat.dynamic_layers(net) == layers and net.model_loaded_weight_memory == 123
+    ours, theirs = twin.state_dict(), net.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k, v in theirs.items():
+        assert torch.equal(ours[k], v) and ours[k].data_ptr() != v.data_ptr(), k
+
+
+def test_classic_controls_copy_each_chain_once_and_leave_the_conditioning_alone(host, tiny_models):
+    import comfy.controlnet
+
+    pack = _pack(host)
+    cg = pack.nodes.cuda_graph
+    a = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    b = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-b"]))
+    hint = torch.rand(1, 3, 64, 64)
+    inner = a.copy().set_cond_hint(hint, 0.5)
+    outer = b.copy().set_cond_hint(hint, 0.7)
+    outer.set_previous_controlnet(inner)
+    b.control_model_wrapped.is_dynamic = lambda: True  # only the outer net is DynamicVRAM's
+    pos_entry, neg_entry = {"control": outer, "x": 1}, {"control": outer}
+    pos, neg = [pos_entry], [neg_entry]
+    conds = {"positive": pos, "negative": neg}
+    st = pack.nodes.graph_state.state_for(torch.nn.Linear(1, 1), 8, torch.device("cpu"))
+
+    cg.classic_controls(conds, st)
+
+    got = conds["positive"][0]["control"]
+    assert got is conds["negative"][0]["control"]  # cond and uncond still share one chain
+    assert got is not outer and conds["positive"][0]["x"] == 1
+    assert pos == [pos_entry] and pos_entry["control"] is outer  # the originals untouched
+    assert neg_entry["control"] is outer and outer.previous_controlnet is inner
+    assert got.control_model is not b.control_model
+    assert pack.nodes.compat.is_dynamic(got.control_model_wrapped) is False
+    assert got.strength == 0.7 and got.cond_hint_original is hint
+    prev = got.previous_controlnet
+    assert prev is not inner and prev.control_model is a.control_model  # not DynamicVRAM's
+    assert prev.strength == 0.5 and prev.previous_controlnet is None
+
+    again = {"positive": [{"control": outer}]}
+    cg.classic_controls(again, st)  # a later run: the same classic network
+    assert again["positive"][0]["control"].control_model is got.control_model
+    assert len(st.classic_nets) == 1
+
+
+def test_dynamic_vram_models_run_in_graphs_on_classic_copies_and_match_stock(
+    host, tiny_models, delegate_class
+):
+    import comfy.controlnet
+
+    pack = _pack(host)
+    cg, compat, status = pack.nodes.cuda_graph, pack.nodes.compat, pack.nodes.status
+    model = _checkpoint(tiny_models)
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    stock = _sample(model, *_controlled(cn))
+    if host.dynamic_vram:  # real DynamicVRAM: its first run can differ in the last bits
+        stock = _sample(model, *_controlled(cn))
+    else:
+        _as_dynamic(model, delegate_class)
+        cn.control_model_wrapped.is_dynamic = lambda: True
+        _mark_dynamic_layers(cn.control_model)
+    original_net = cn.control_model
+
+    out = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="classic-1")
+
+    assert not compat.is_dynamic(out) and out.model is not model.model
+    assert cg.WRAPPER_KEY in str(out.wrappers)
+    got = _sample(out, *_controlled(cn))
+    assert torch.equal(stock, got)
+    badge = status.LAST["classic-1"]["data"]
+    assert badge["replays"] > 0 and badge["captures"] > 0, badge
+    assert not badge.get("eager_reasons"), badge
+    assert cn.control_model is original_net and compat.dynamic_layers(original_net) > 0
+
+    # the same loaded model again (a second prompt): ComfyUI's copy is not read again, and
+    # the ControlNet's classic copy is the one made before
+    st = cg.existing_state(out.model)
+    nets = dict(st.classic_nets)
+    again = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="classic-2")
+    assert again.model is out.model
+    assert torch.equal(stock, _sample(again, *_controlled(cn)))
+    assert dict(st.classic_nets) == nets and len(nets) == 1
+
+
+def test_a_dynamic_vram_model_without_a_classic_copy_passes_through_and_says_why(
+    host, tiny_models, delegate_class, caplog
+):
+    import logging
+
+    pack = _pack(host)
+    cg, compat, status = pack.nodes.cuda_graph, pack.nodes.compat, pack.nodes.status
+    model = _as_dynamic(_checkpoint(tiny_models), delegate_class)
+    model.cached_patcher_init = None  # a custom loader's model: ComfyUI cannot read it again
+    compat._warned.discard("graph:dynamic:CUDA Graph")
+    with caplog.at_level(logging.WARNING):
+        out = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="classic-none")
+    assert out is model
+    said = status.LAST["classic-none"]["data"]["passed_through"]
+    assert said.startswith(compat.DYNAMIC_PASS_THROUGH) and "custom loader" in said
+    assert any("custom loader" in m for m in caplog.messages)
