@@ -136,7 +136,8 @@ def test_classic_controls_copy_each_chain_once_and_leave_the_conditioning_alone(
     a = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
     b = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-b"]))
     hint = torch.rand(1, 3, 64, 64)
-    inner = a.copy().set_cond_hint(hint, 0.5)
+    fused = pack.nodes.fused_apply.FusedControlNet
+    inner = fused.from_controlnet(a).set_cond_hint(hint, 0.5)  # Apply ControlNet (Fused)
     outer = b.copy().set_cond_hint(hint, 0.7)
     outer.set_previous_controlnet(inner)
     b.control_model_wrapped.is_dynamic = lambda: True  # only the outer net is DynamicVRAM's
@@ -158,6 +159,7 @@ def test_classic_controls_copy_each_chain_once_and_leave_the_conditioning_alone(
     prev = got.previous_controlnet
     assert prev is not inner and prev.control_model is a.control_model  # not DynamicVRAM's
     assert prev.strength == 0.5 and prev.previous_controlnet is None
+    assert type(prev) is fused and prev.fused_settings is inner.fused_settings
 
     again = {"positive": [{"control": outer}]}
     cg.classic_controls(again, st)  # a later run: the same classic network
