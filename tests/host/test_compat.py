@@ -425,11 +425,13 @@ def test_a_stock_controlnet_loads_after_its_streamed_clone(host, tiny_models):
 def test_a_dynamic_vram_model_passes_through_the_cuda_graph_node_untouched(
     host, tiny_models, caplog
 ):
-    """Under DynamicVRAM no graph can hold the weights: the node hands the model on as it
-    came (no clone, no wrapper), says so once in the log and on its badge."""
+    """Under DynamicVRAM no graph can hold the weights; without a classic copy (here: a custom
+    loader's model) the node hands the model on as it came (no clone, no wrapper), says so
+    once in the log and on its badge."""
     pack = _pack(host)
     cg, compat, status = pack.nodes.cuda_graph, pack.nodes.compat, pack.nodes.status
     model = _loaded(tiny_models)
+    model.cached_patcher_init = None  # a custom loader's: no classic copy can be read again
     if not compat.is_dynamic(model):  # DynamicVRAM off, or a ComfyUI without it
         plain = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="cg-plain")
         assert plain is not model and plain.wrappers != model.wrappers  # a normal model: wrapped

@@ -65,22 +65,35 @@ def _as_dynamic(model, cls):
     return model
 
 
-def _mark_dynamic_layers(net) -> int:
+def _mark_dynamic_layers(net) -> tuple[int, object]:
     """DynamicVRAM's state on a network, as its load leaves it: a VRAM-range slice (``_v``) and
     pinned-buffer handles per layer (which cannot be copied), cast flags, and its bookkeeping on
-    the network. Returns how many layers got a slice."""
+    the network (what a real DynamicVRAM patcher put there already is kept). Returns how many
+    layers got a slice, and a function that takes the marks off again."""
     lock = threading.Lock()  # deepcopy refuses it: the copy must never touch these
-    n = 0
+    n, added = 0, []
     for m in net.modules():
         if hasattr(m, "comfy_cast_weights"):
-            m._v = (object(), n, 16)
-            m._pin_state = {"buffers": lock}
-            m.comfy_cast_weights = True
-            m.seed_key = f"layer{n}"
+            for name, value in (
+                ("_v", (object(), n, 16)),
+                ("_pin_state", {"buffers": lock}),
+                ("comfy_cast_weights", True),
+                ("seed_key", f"layer{n}"),
+            ):
+                if name not in vars(m):
+                    setattr(m, name, value)
+                    added.append((m, name))
             n += 1
-    net.dynamic_pins = {"cpu": lock}
-    net.model_loaded_weight_memory = 123
-    return n
+    for name, value in (("dynamic_pins", {"cpu": lock}), ("model_loaded_weight_memory", 123)):
+        if name not in vars(net):
+            setattr(net, name, value)
+            added.append((net, name))
+
+    def unmark():
+        for m, name in added:
+            delattr(m, name)
+
+    return n, unmark
 
 
 def _controlled(cn, width=768):
@@ -107,9 +120,17 @@ def test_classic_network_drops_dynamic_vram_state_and_keeps_the_weights(host, ti
     compat = _pack(host).nodes.compat
     cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
     net = cn.control_model
-    layers = _mark_dynamic_layers(net)
+    layers, unmark = _mark_dynamic_layers(net)
+    try:
+        _check_classic_network(compat, net, layers)
+    finally:
+        unmark()  # a real DynamicVRAM patcher of this network must not meet the marks
+
+
+def _check_classic_network(compat, net, layers):
     assert layers > 0 and compat.dynamic_layers(net) == layers
     assert compat.capture_blocker(net) is not None
+    loaded = net.model_loaded_weight_memory
 
     twin = compat.classic_network(net)
 
@@ -121,7 +142,7 @@ def test_classic_network_drops_dynamic_vram_state_and_keeps_the_weights(host, ti
             assert m.comfy_cast_weights is type(m).comfy_cast_weights
     assert "model_loaded_weight_memory" not in vars(twin)
     # the original keeps its state; the weights are equal and not shared
-    assert compat.dynamic_layers(net) == layers and net.model_loaded_weight_memory == 123
+    assert compat.dynamic_layers(net) == layers and net.model_loaded_weight_memory == loaded
     ours, theirs = twin.state_dict(), net.state_dict()
     assert ours.keys() == theirs.keys()
     for k, v in theirs.items():
@@ -157,14 +178,18 @@ def test_classic_controls_copy_each_chain_once_and_leave_the_conditioning_alone(
     assert pack.nodes.compat.is_dynamic(got.control_model_wrapped) is False
     assert got.strength == 0.7 and got.cond_hint_original is hint
     prev = got.previous_controlnet
-    assert prev is not inner and prev.control_model is a.control_model  # not DynamicVRAM's
+    assert prev is not inner
+    if host.dynamic_vram:  # a real DynamicVRAM: every ControlNet is its
+        assert prev.control_model is not a.control_model
+    else:  # only the outer one is DynamicVRAM's: the inner keeps its network
+        assert prev.control_model is a.control_model
     assert prev.strength == 0.5 and prev.previous_controlnet is None
     assert type(prev) is fused and prev.fused_settings is inner.fused_settings
 
     again = {"positive": [{"control": outer}]}
     cg.classic_controls(again, st)  # a later run: the same classic network
     assert again["positive"][0]["control"].control_model is got.control_model
-    assert len(st.classic_nets) == 1
+    assert len(st.classic_nets) == (2 if host.dynamic_vram else 1)
 
 
 def test_dynamic_vram_models_run_in_graphs_on_classic_copies_and_match_stock(
@@ -182,7 +207,7 @@ def test_dynamic_vram_models_run_in_graphs_on_classic_copies_and_match_stock(
     else:
         _as_dynamic(model, delegate_class)
         cn.control_model_wrapped.is_dynamic = lambda: True
-        _mark_dynamic_layers(cn.control_model)
+        _mark_dynamic_layers(cn.control_model)  # the CPU's ControlNet is never used again
     original_net = cn.control_model
 
     out = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="classic-1")
