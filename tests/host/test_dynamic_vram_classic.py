@@ -8,7 +8,9 @@ tests stand in for it with the tiny models' own patchers answering ``is_dynamic(
 DynamicVRAM's do, the model's delegate being ComfyUI's own code
 (``ModelPatcherDynamic.get_non_dynamic_delegate``), and DynamicVRAM's per-layer state put on
 the ControlNet's layers so that a graph of the original network is refused. Tolerance:
-bit-identical to stock, since the copies hold the same weights and the graph path is exact.
+bit-identical to stock on the CPU, since the copies hold the same weights and the graph path is
+exact; under a real DynamicVRAM, bit-identical to ComfyUI's classic copy sampled without the
+node, and within fp16 rounding of DynamicVRAM's own run (``MIN_PSNR_VS_DYNAMIC``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 
 STEPS = 3
+MIN_PSNR_VS_DYNAMIC = 60.0  # dB, latent against DynamicVRAM's own run (see below)
 
 
 def _pack(host):
@@ -104,6 +107,12 @@ def _controlled(cn, width=768):
     neg = [[torch.randn(1, 77, width, generator=g), {}]]
     hint = torch.rand(1, 64, 64, 3, generator=g)
     return nodes.ControlNetApplyAdvanced().apply_controlnet(pos, neg, cn, hint, 0.8, 0.0, 1.0)
+
+
+def _psnr(a, b) -> float:
+    err = float(torch.mean((a.float() - b.float()) ** 2))
+    peak = float(b.float().abs().max())
+    return float("inf") if err == 0 else 10 * torch.log10(torch.tensor(peak**2 / err)).item()
 
 
 def _sample(model, pos, neg):
@@ -215,7 +224,16 @@ def test_dynamic_vram_models_run_in_graphs_on_classic_copies_and_match_stock(
     assert not compat.is_dynamic(out) and out.model is not model.model
     assert cg.WRAPPER_KEY in str(out.wrappers)
     got = _sample(out, *_controlled(cn))
-    assert torch.equal(stock, got)
+    if host.dynamic_vram:
+        # DynamicVRAM computes from weights in its own VRAM range, where cuBLAS may pick other
+        # kernels than for the classic copy (measured 91.5 dB on an H100): the graphs match
+        # ComfyUI's classic copy sampled without them bit for bit, and DynamicVRAM's run to
+        # fp16 rounding.
+        classic = _sample(model.get_non_dynamic_delegate(), *_controlled(cn))
+        assert torch.equal(classic, got)
+        assert _psnr(got, stock) >= MIN_PSNR_VS_DYNAMIC, _psnr(got, stock)
+    else:
+        assert torch.equal(stock, got)
     badge = status.LAST["classic-1"]["data"]
     assert badge["replays"] > 0 and badge["captures"] > 0, badge
     assert not badge.get("eager_reasons"), badge
@@ -227,7 +245,7 @@ def test_dynamic_vram_models_run_in_graphs_on_classic_copies_and_match_stock(
     nets = dict(st.classic_nets)
     again = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="classic-2")
     assert again.model is out.model
-    assert torch.equal(stock, _sample(again, *_controlled(cn)))
+    assert torch.equal(got, _sample(again, *_controlled(cn)))
     assert dict(st.classic_nets) == nets and len(nets) == 1
 
 
