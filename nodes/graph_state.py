@@ -91,8 +91,8 @@ class ModelGraphState:
         if got is None:
             got, why = compat.classic_control_patcher(patcher)
             if got is None:
-                compat.warn_once(
-                    f"graph:classic-cn:{why}",
+                compat.warn_once(  # once per network: the reason can carry figures
+                    f"graph:classic-cn:{id(net)}",
                     "CUDA Graph: a DynamicVRAM ControlNet runs eager, as DynamicVRAM's (no "
                     "classic copy: %s)",
                     why,
