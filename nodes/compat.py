@@ -267,16 +267,43 @@ DYNAMIC_CAPTURE = (
 DYNAMIC_PASS_THROUGH = (
     "ComfyUI's DynamicVRAM manages this model's weights (loaded as layers run, evictable "
     "between them): a CUDA graph cannot hold them, so the model is passed on unchanged and "
-    "runs as without the node; start ComfyUI with --disable-dynamic-vram to use the graphs"
+    "runs as without the node"
 )
+RESTART_ADVICE = "start ComfyUI with --disable-dynamic-vram to use the graphs"
+TOO_LARGE_ADVICE = (
+    "the graphs need the whole model on the GPU, which this one does not fit: DynamicVRAM's "
+    "streaming is the better way to run it here"
+)
+
+
+class NoCopy(str):
+    """Why no classic copy was made: the text, as logged and shown on the badge, with two
+    facts about it. ``restart_helps``: whether ComfyUI started with --disable-dynamic-vram
+    would let the graphs hold the model (it is then loaded whole, the classic way).
+    ``lasting``: whether asking again for the same network gives the same answer (free RAM
+    changes; a network's size or a failed copy does not)."""
+
+    restart_helps: bool
+    lasting: bool
+
+    def __new__(cls, text: str, restart_helps: bool = True, lasting: bool = True):
+        self = super().__new__(cls, text)
+        self.restart_helps = restart_helps
+        self.lasting = lasting
+        return self
+
+
+def restart_helps(why) -> bool:
+    """Whether --disable-dynamic-vram would let the graphs run a model passed on for ``why``."""
+    return getattr(why, "restart_helps", True)
 
 
 def dynamic_pass_through(why: str | None) -> str:
     """What the CUDA Graph nodes say when they hand a DynamicVRAM model on unchanged: why no
-    classic copy could be used (``classic_delegate``), then what to do."""
-    if not why:
-        return DYNAMIC_PASS_THROUGH
-    return f"{DYNAMIC_PASS_THROUGH} (no classic copy: {why})"
+    classic copy could be used (``classic_delegate``), then what to do, if anything: restarting
+    with --disable-dynamic-vram is suggested only where the model would then load whole."""
+    said = DYNAMIC_PASS_THROUGH if not why else f"{DYNAMIC_PASS_THROUGH} (no classic copy: {why})"
+    return f"{said}; {RESTART_ADVICE if restart_helps(why) else TOO_LARGE_ADVICE}"
 
 
 # ---- DynamicVRAM: classic copies for the graphs ---------------------------------------------
@@ -285,13 +312,17 @@ def dynamic_pass_through(why: str | None) -> str:
 # one would be loaded partly (lowvram), which no graph can hold either, and DynamicVRAM streams
 # it better than the classic partial load.
 CLASSIC_VRAM_SHARE = 0.5
+# Above this share of the GPU's memory a model is loaded partly even with DynamicVRAM off
+# (ComfyUI keeps room for the step's activations beside it), so restarting without DynamicVRAM
+# would not give the graphs a whole model either.
+WHOLE_LOAD_SHARE = 0.8
 # System RAM a classic copy needs free, as a multiple of its weights (the copy itself, plus the
 # state dict read from disk while it is built).
 CLASSIC_RAM_FACTOR = 1.5
 GiB = 1024**3
 
 
-def _room_for(patcher, size: int, in_ram: bool) -> str | None:
+def _room_for(patcher, size: int, in_ram: bool) -> NoCopy | None:
     """Why a classic copy of ``size`` bytes of ``patcher``'s network does not fit, or None."""
     import comfy.model_management as mm
     import torch
@@ -299,18 +330,20 @@ def _room_for(patcher, size: int, in_ram: bool) -> str | None:
     try:
         total = mm.get_total_memory(patcher.load_device)
     except Exception:  # an unknown device: leave the model to DynamicVRAM
-        return "this GPU's memory size is unknown"
+        return NoCopy("this GPU's memory size is unknown")
     if size > CLASSIC_VRAM_SHARE * total:
-        return (
+        return NoCopy(
             f"its weights ({size / GiB:.1f} GiB) are over {CLASSIC_VRAM_SHARE:.0%} of this GPU's "
-            f"{total / GiB:.1f} GiB, which DynamicVRAM streams better than a partial load"
+            f"{total / GiB:.1f} GiB, which DynamicVRAM streams better than a partial load",
+            restart_helps=size <= WHOLE_LOAD_SHARE * total,
         )
     if in_ram:
         free = mm.get_free_memory(torch.device("cpu"))
         if free < CLASSIC_RAM_FACTOR * size:
-            return (
+            return NoCopy(
                 f"a copy needs about {CLASSIC_RAM_FACTOR * size / GiB:.1f} GiB of free system "
-                f"RAM and {free / GiB:.1f} GiB is free"
+                f"RAM and {free / GiB:.1f} GiB is free",
+                lasting=False,
             )
     return None
 
@@ -329,13 +362,13 @@ def classic_delegate(patcher):
     or the copy does not fit (``_room_for``); the model is then left to DynamicVRAM."""
     get = getattr(patcher, "get_non_dynamic_delegate", None)
     if not callable(get):
-        return None, "this ComfyUI cannot make one"
+        return None, NoCopy("this ComfyUI cannot make one")
     if getattr(patcher, "cached_patcher_init", None) is None:
-        return None, "its loader cannot load it again (a custom loader)"
+        return None, NoCopy("its loader cannot load it again (a custom loader)")
     try:
         size = int(patcher.model_size())
     except Exception as e:
-        return None, f"its size is unknown ({e})"
+        return None, NoCopy(f"its size is unknown ({e})")
     reload = getattr(patcher, "non_dynamic_delegate_model", None) is None
     why = _room_for(patcher, size, in_ram=reload)
     if why is not None:
@@ -350,9 +383,9 @@ def classic_delegate(patcher):
     try:
         got = get()
     except Exception as e:  # never fail the prompt: DynamicVRAM runs it
-        return None, f"loading it failed ({type(e).__name__}: {e})"
+        return None, NoCopy(f"loading it failed ({type(e).__name__}: {e})")
     if is_dynamic(got):
-        return None, "ComfyUI gave a DynamicVRAM copy"
+        return None, NoCopy("ComfyUI gave a DynamicVRAM copy")
     return got, None
 
 
@@ -418,11 +451,11 @@ def classic_control_patcher(patcher):
     import comfy.model_patcher
 
     if getattr(patcher, "patches", None) or getattr(patcher, "object_patches", None):
-        return None, "its patcher carries weight or object patches"
+        return None, NoCopy("its patcher carries weight or object patches", lasting=False)
     try:
         size = int(patcher.model_size())
     except Exception as e:
-        return None, f"its size is unknown ({e})"
+        return None, NoCopy(f"its size is unknown ({e})")
     why = _room_for(patcher, size, in_ram=True)
     if why is not None:
         return None, why
@@ -432,7 +465,7 @@ def classic_control_patcher(patcher):
             net, load_device=patcher.load_device, offload_device=patcher.offload_device
         )
     except Exception as e:  # never fail the prompt: DynamicVRAM runs it
-        return None, f"copying it failed ({type(e).__name__}: {e})"
+        return None, NoCopy(f"copying it failed ({type(e).__name__}: {e})")
     return got, None
 
 

@@ -94,9 +94,11 @@ class CudaGraphPatch:
     [RUN_KEY]``), per-model state in graph_state's ``_STATES``; the patch itself holds only the
     node's settings and the run template."""
 
-    def __init__(self, options: GraphOptions, node_id=None):
+    def __init__(self, options: GraphOptions, node_id=None, classic: bool = False):
         self.options = options
         self.template = GraphRun(options, node_id)
+        # the model is ComfyUI's classic copy of a DynamicVRAM one (``apply_cuda_graph``)
+        self.classic = classic
 
     def _run_of(self, transformer_options: dict | None) -> GraphRun:
         run = (transformer_options or {}).get(RUN_KEY)
@@ -178,6 +180,9 @@ class CudaGraphPatch:
                     f"CUDA graph: {d['replays']} replayed · {d['captures']} captured · "
                     f"{d['eager']} eager"
                 )
+                if self.classic:
+                    data["classic_copies"] = True
+                    lines.append("on classic copies (DynamicVRAM is on)")
             if steps:
                 data["ms_per_step"] = 1e3 * wall_s / steps
                 # CPU time in the pack's wrapper bodies (ComfyUI's model calls and the time
@@ -699,7 +704,8 @@ def apply_cuda_graph(model, options: GraphOptions, node_id=None, node_name: str 
     each time the node runs."""
     if compat.is_dynamic(model) and not options.enabled:
         return model  # a disabled KSampler (CUDA Graph) samples as KSampler does
-    if compat.is_dynamic(model):
+    classic_copy = compat.is_dynamic(model)
+    if classic_copy:
         classic, why = (
             (None, "the Memory Pool manages it")
             if _pooled(model)
@@ -711,7 +717,11 @@ def apply_cuda_graph(model, options: GraphOptions, node_id=None, node_name: str 
             status.report(
                 node_id,
                 "cuda_graph",
-                ["off: DynamicVRAM manages this model (--disable-dynamic-vram to use graphs)"],
+                [
+                    "off: DynamicVRAM manages this model (--disable-dynamic-vram to use graphs)"
+                    if compat.restart_helps(why)
+                    else "off: DynamicVRAM streams this model (too large for a graph here)"
+                ],
                 {"passed_through": said},
             )
             return model
@@ -731,7 +741,7 @@ def apply_cuda_graph(model, options: GraphOptions, node_id=None, node_name: str 
                 "CUDA Graph: this ComfyUI has no %s wrapper; the model runs eager", wtype
             )
             return m
-    patch = CudaGraphPatch(options, node_id)
+    patch = CudaGraphPatch(options, node_id, classic=classic_copy)
     for wtype in ("OUTER_SAMPLE", "CALC_COND_BATCH", "APPLY_MODEL", "DIFFUSION_MODEL"):
         if hasattr(pe.WrappersMP, wtype):
             m.remove_wrappers_with_key(getattr(pe.WrappersMP, wtype), WRAPPER_KEY)

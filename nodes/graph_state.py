@@ -45,6 +45,9 @@ class ModelGraphState:
         # DynamicVRAM ControlNet network -> the classic ModelPatcher of its classic copy
         # (cuda_graph.classic_controls); weak keys: the copy goes with the original
         self.classic_nets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # the same, for networks no copy can be made of for a lasting reason (too large, the
+        # copy failed): why, so later runs neither try again nor say it again
+        self.no_classic: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def side_stream(self, x: torch.Tensor):
         """The stream the ControlNets run on beside the UNet (CUDA only; None elsewhere)."""
@@ -83,12 +86,16 @@ class ModelGraphState:
     def classic_net(self, patcher):
         """The classic ModelPatcher of a classic copy of the ControlNet network ``patcher``
         manages under DynamicVRAM, made once per network (``compat.classic_control_patcher``);
-        None, with the reason logged once, when none can be made."""
+        None, with the reason logged once, when none can be made. A lasting reason is kept
+        with the network: later runs do not try again (a failed deep copy is not repeated at
+        every prompt); a passing one (free RAM) is asked again at the next run."""
         net = getattr(patcher, "model", None)
         if net is None:
             return None
         got = self.classic_nets.get(net)
         if got is None:
+            if net in self.no_classic:
+                return None
             got, why = compat.classic_control_patcher(patcher)
             if got is None:
                 compat.warn_once(  # once per network: the reason can carry figures
@@ -97,6 +104,8 @@ class ModelGraphState:
                     "classic copy: %s)",
                     why,
                 )
+                if getattr(why, "lasting", False):
+                    self.no_classic[net] = why
                 return None
             logger.info(
                 "CUDA Graph: DynamicVRAM manages a ControlNet; made a classic copy the graphs "

@@ -235,6 +235,8 @@ def test_dynamic_vram_models_run_in_graphs_on_classic_copies_and_match_stock(
         assert torch.equal(stock, got)
     badge = status.LAST["classic-1"]["data"]
     assert badge["replays"] > 0 and badge["captures"] > 0, badge
+    assert badge["classic_copies"] is True  # the badge says what the graphs run on
+    assert any("classic copies" in line for line in status.LAST["classic-1"]["lines"])
     assert not badge.get("eager_reasons"), badge
     assert cn.control_model is original_net and compat.dynamic_layers(original_net) > 0
 
@@ -263,4 +265,73 @@ def test_a_dynamic_vram_model_without_a_classic_copy_passes_through_and_says_why
     assert out is model
     said = status.LAST["classic-none"]["data"]["passed_through"]
     assert said.startswith(compat.DYNAMIC_PASS_THROUGH) and "custom loader" in said
+    # without DynamicVRAM, ComfyUI loads that model the classic way: the restart is the fix
+    assert said.endswith(compat.RESTART_ADVICE)
+    assert "--disable-dynamic-vram" in status.LAST["classic-none"]["lines"][0]
     assert any("custom loader" in m for m in caplog.messages)
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_a_model_over_the_copy_share_is_told_to_restart_only_if_it_would_load_whole(
+    host, tiny_models, delegate_class, monkeypatch, whole
+):
+    """A model over the share of VRAM a classic copy may take: restarting without DynamicVRAM
+    helps only where ComfyUI would then load it whole; a larger one is left to DynamicVRAM's
+    streaming, and neither the log nor the badge tells the user to restart."""
+    pack = _pack(host)
+    cg, compat, status = pack.nodes.cuda_graph, pack.nodes.compat, pack.nodes.status
+    model = _as_dynamic(_checkpoint(tiny_models), delegate_class)
+    monkeypatch.setattr(compat, "CLASSIC_VRAM_SHARE", 0.0)
+    monkeypatch.setattr(compat, "WHOLE_LOAD_SHARE", 1.0 if whole else 0.0)
+
+    out = cg.apply_cuda_graph(model, cg.GraphOptions(), node_id="classic-large")
+
+    assert out is model
+    said = status.LAST["classic-large"]["data"]["passed_through"]
+    line = status.LAST["classic-large"]["lines"][0]
+    assert said.startswith(compat.DYNAMIC_PASS_THROUGH) and "over 0%" in said, said
+    if whole:
+        assert said.endswith(compat.RESTART_ADVICE) and "--disable-dynamic-vram" in line
+    else:
+        assert said.endswith(compat.TOO_LARGE_ADVICE), said
+        assert "--disable-dynamic-vram" not in said + line and "too large" in line
+
+
+def test_a_controlnet_copy_that_failed_is_not_tried_again_one_short_of_ram_is(
+    host, tiny_models, monkeypatch
+):
+    """A deep copy that failed fails again: it is tried once per network, not at every run.
+    Too little free RAM can pass, so that is asked again at the next run."""
+    import comfy.controlnet
+
+    pack = _pack(host)
+    compat = pack.nodes.compat
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    st = pack.nodes.graph_state.state_for(torch.nn.Linear(1, 1), 8, torch.device("cpu"))
+    copies = []
+
+    def failing_copy(net):
+        copies.append(net)
+        raise RuntimeError("cannot copy")
+
+    monkeypatch.setattr(compat, "classic_network", failing_copy)
+    assert st.classic_net(cn.control_model_wrapped) is None
+    assert st.classic_net(cn.control_model_wrapped) is None
+    assert copies == [cn.control_model]  # one try
+    assert "copying it failed" in st.no_classic[cn.control_model]
+
+    other = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-b"]))
+    asked = []
+
+    def short_of_ram(patcher, size, in_ram):
+        asked.append(size)
+        return compat.NoCopy("too little free RAM", lasting=False)
+
+    monkeypatch.setattr(compat, "_room_for", short_of_ram)
+    assert st.classic_net(other.control_model_wrapped) is None
+    assert st.classic_net(other.control_model_wrapped) is None
+    assert len(asked) == 2 and other.control_model not in st.no_classic
+    monkeypatch.undo()  # RAM freed: the next run gets its copy
+    got = st.classic_net(other.control_model_wrapped)
+    assert got is not None and got.model is not other.control_model
+    assert st.classic_net(other.control_model_wrapped) is got
