@@ -416,36 +416,62 @@ _PATCHER_STATE = (
     "current_weight_patches_uuid",
     "model_offload_buffer_memory",
 )
-_PLAIN = (bool, int, float, str, bytes)
 
 
 def classic_network(module):
-    """A deep copy of a network DynamicVRAM manages, without DynamicVRAM's state (the copy's
-    layers have their classes' settings, as a network a classic loader has not loaded yet).
-    That state is never copied: it holds DynamicVRAM's handles to its VRAM range and pinned
-    buffers, which belong to the original."""
+    """A copy of a network DynamicVRAM manages, without DynamicVRAM's state (the copy's layers
+    have their classes' settings, as a network a classic loader has not loaded yet).
+
+    Every module is copied shallowly (same class, its own attribute dict) and every parameter
+    and buffer is cloned on its own, so the copy takes exactly the network's weights in memory.
+    It is not a deep copy: a weight that is a view of a larger storage (a loader's mapping of
+    the whole file) would bring that whole storage along, and DynamicVRAM's state holds
+    handles to its VRAM range and pinned buffers that belong to the original. Other attributes
+    (settings, the layer classes' options) are shared with the original, which neither side
+    changes while sampling."""
     import copy
 
-    memo: dict = {}
-    for m in module.modules():
-        d = vars(m)
-        names = _DYNAMIC_LAYER_STATE + (_PATCHER_STATE if m is module else ())
-        for name in names:
-            v = d.get(name)
-            if v is not None and not isinstance(v, _PLAIN):
-                memo[id(v)] = None
-    twin = copy.deepcopy(module, memo)
-    for m in twin.modules():
-        d = vars(m)
-        for name in _DYNAMIC_LAYER_STATE + (_PATCHER_STATE if m is twin else ()):
+    import torch
+
+    tensors: dict[int, torch.Tensor] = {}  # id(original) -> clone: shared weights stay shared
+    modules: dict[int, torch.nn.Module] = {}
+
+    def tensor(t):
+        if t is None:
+            return None
+        got = tensors.get(id(t))
+        if got is None:
+            c = t.detach().clone()
+            if isinstance(t, torch.nn.Parameter):
+                c = torch.nn.Parameter(c, requires_grad=t.requires_grad)
+            got = tensors[id(t)] = c
+        return got
+
+    def twin_of(m):
+        if m is None:
+            return None
+        got = modules.get(id(m))
+        if got is not None:
+            return got
+        twin = modules[id(m)] = copy.copy(m)  # a new attribute dict with the same values
+        d = vars(twin)
+        for name in _DYNAMIC_LAYER_STATE + (_PATCHER_STATE if m is module else ()):
             d.pop(name, None)
-    return twin
+        for name, value in list(d.items()):  # hook tables: the copy's own
+            if "hooks" in name and isinstance(value, dict):
+                d[name] = copy.copy(value)
+        d["_parameters"] = {k: tensor(v) for k, v in m._parameters.items()}
+        d["_buffers"] = {k: tensor(v) for k, v in m._buffers.items()}
+        d["_modules"] = {k: twin_of(v) for k, v in m._modules.items()}
+        return twin
+
+    return twin_of(module)
 
 
 def classic_control_patcher(patcher):
     """``(copy, None)`` or ``(None, why)``: a classic ModelPatcher over a classic copy of the
-    ControlNet network ``patcher`` (a DynamicVRAM one) manages, made as ComfyUI makes a
-    ControlNet's copy for another GPU (``ControlNet.deepclone_multigpu``: a deep copy in a plain
+    ControlNet network ``patcher`` (a DynamicVRAM one) manages, as ComfyUI makes a ControlNet's
+    copy for another GPU (``ControlNet.deepclone_multigpu``: a copy of the network in a plain
     ModelPatcher), without DynamicVRAM's state (``classic_network``). A network with weight or
     object patches on its patcher (the Memory Pool's) is left to DynamicVRAM."""
     import comfy.model_patcher

@@ -154,6 +154,39 @@ def _check_classic_network(compat, net, layers):
         assert torch.equal(ours[k], v) and ours[k].data_ptr() != v.data_ptr(), k
 
 
+def test_classic_network_copies_each_weight_alone_not_the_storage_it_views(host):
+    """A loader may hand out weights that are views of one mapping of the whole file: the copy
+    holds each weight's own bytes, not that storage once per weight (which ran a machine with
+    128 GB of RAM out of memory on SDXL's ControlNet). Shared weights stay shared."""
+    compat = _pack(host).nodes.compat
+    whole = torch.randn(4096)  # the "file"
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    offset = 0
+    for layer in net:
+        w = whole[offset : offset + 64].view(8, 8)
+        b = whole[offset + 64 : offset + 72]
+        layer.weight, layer.bias = torch.nn.Parameter(w), torch.nn.Parameter(b)
+        offset += 100
+    net[2].weight = net[0].weight  # tied
+    net.register_buffer("table", whole[4000:4010])
+
+    twin = compat.classic_network(net)
+
+    assert type(twin) is type(net) and twin[1] is not net[1] and type(twin[1]) is torch.nn.Linear
+    for (name, ours), (_, theirs) in zip(
+        twin.state_dict(keep_vars=True).items(), net.state_dict(keep_vars=True).items(), strict=True
+    ):
+        assert torch.equal(ours, theirs), name
+        assert ours.untyped_storage().nbytes() == ours.nbytes, name  # its own bytes only
+        assert ours.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+        assert isinstance(ours, torch.nn.Parameter) == isinstance(theirs, torch.nn.Parameter)
+    assert twin[2].weight is twin[0].weight and twin[0].weight is not net[0].weight
+    x = torch.randn(3, 8)
+    assert torch.equal(twin(x), net(x))
+    twin[1].weight.data.add_(1)  # the copy is independent of the original
+    assert not torch.equal(twin[1].weight, net[1].weight)
+
+
 def test_classic_controls_copy_each_chain_once_and_leave_the_conditioning_alone(host, tiny_models):
     import comfy.controlnet
 
