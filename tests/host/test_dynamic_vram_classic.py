@@ -9,9 +9,9 @@ DynamicVRAM's do, the model's delegate being ComfyUI's own code
 (``ModelPatcherDynamic.get_non_dynamic_delegate``), and DynamicVRAM's per-layer state put on
 the ControlNet's layers so that a graph of the original network is refused. Tolerance:
 bit-identical to stock on the CPU, since the copies hold the same weights and the graph path is
-exact; under a real DynamicVRAM, bit-identical to classic copies of the model and ControlNet
-sampled without the node, and within fp16 rounding of DynamicVRAM's own run
-(``MIN_PSNR_VS_DYNAMIC``).
+exact; under a real DynamicVRAM, within fp16 rounding (``MIN_PSNR_VS_DYNAMIC``) of classic
+copies of the model and ControlNet sampled without the node and of DynamicVRAM's own run: on
+the GPU a newly loaded copy's first runs can differ from later ones in the last bits.
 """
 
 from __future__ import annotations
@@ -258,8 +258,16 @@ def test_dynamic_vram_models_run_in_graphs_on_classic_copies_and_match_stock(
     assert copy is not None, why
     ref = cn.copy()
     ref.control_model, ref.control_model_wrapped = copy.model, copy
-    classic = _sample(model.get_non_dynamic_delegate(), *_controlled(ref))
-    assert torch.equal(classic, got)
+    delegate = model.get_non_dynamic_delegate()
+    classic = _sample(delegate, *_controlled(ref))
+    if host.dynamic_vram:
+        # On a GPU the first runs of a newly loaded copy can differ from later ones in the last
+        # bits (cuDNN's algorithm choice; seen on an H100): compare a warm run, and allow fp16
+        # rounding, as against DynamicVRAM's own run.
+        classic = _sample(delegate, *_controlled(ref))
+        assert runner.psnr(classic, got) >= MIN_PSNR_VS_DYNAMIC, runner.psnr(classic, got)
+    else:
+        assert torch.equal(classic, got)
     if host.dynamic_vram:
         # DynamicVRAM computes from weights in its own VRAM range, where cuBLAS may pick other
         # kernels than for the classic copies (over 90 dB on an H100): fp16 rounding.
