@@ -149,6 +149,9 @@ def cases(kernels, reps: int, dev: str = "cuda", only: str | None = None, tiles=
     if only == "fp8_linear":
         yield from _fp8_linear_cases(reps, dev)
         return
+    if only == "geglu_linear":
+        yield from _geglu_linear_cases(reps, dev)
+        return
 
     dt_ = torch.float16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -420,6 +423,69 @@ def _fp8_linear_cases(reps, dev):
             del x, w
 
 
+# The feed-forward projections (tokens, 2 × inner width, model width) of SD1.5 at 512² and
+# 1024² and of SDXL at 1024², batch 2 (CFG).
+SD15_GEGLU = [(8192, 2560, 320), (2048, 5120, 640), (512, 10240, 1280), (32768, 2560, 320)]
+SDXL_GEGLU = [(8192, 5120, 640), (2048, 10240, 1280)]
+# Tile shapes (tokens, outputs per half, depth, warps, stages) the geglu_linear cases also time.
+GEGLU_TILES = [
+    (128, 64, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 32, 4, 4), (64, 128, 64, 4, 4),
+    (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (256, 64, 64, 8, 3), (64, 64, 64, 4, 4),
+]  # fmt: skip
+
+
+def _geglu_linear_cases(reps, dev):
+    # g. The feed-forward projection with its GEGLU in the GEMM's epilogue, against the path
+    # compiled mode runs now: inductor's code for F.linear + chunk + value * gelu(gate)
+    # (cuBLAS's GEMM, then one fused elementwise kernel). err: relative L2 against fp64.
+    from ..kernels import geglu_linear as gl
+
+    dt_ = torch.float16
+    g = torch.Generator(device=dev).manual_seed(4)
+    plain = torch.compile(gl.reference)
+    for arch, shapes in (("sd15", SD15_GEGLU), ("sdxl", SDXL_GEGLU)):
+        for m, n2, k in shapes:
+            x = torch.randn(m, k, generator=g, device=dev).to(dt_)
+            w = (torch.randn(n2, k, generator=g, device=dev) * k**-0.5).to(dt_)
+            b = torch.randn(n2, generator=g, device=dev).to(dt_) * 0.1
+            ref = gl.reference(x.double(), w.double(), b.double())
+            why = gl.problem(x, w, b)
+            if why is not None:
+                print(f"geglu_linear {m}x{n2}x{k}: {why}")
+                continue
+            tiles_us = {}
+            for t in GEGLU_TILES:
+                cfg = gl.Config(*t)
+                try:
+                    tiles_us[str(t)] = _time(
+                        lambda x=x, w=w, b=b, c=cfg: gl.geglu_linear(x, w, b, c), 20, reps, True
+                    )
+                except Exception as e:  # a tile too large for this GPU's shared memory
+                    tiles_us[str(t)] = float("nan")
+                    print(f"  tile {t}: {type(e).__name__}: {str(e)[:120]}")
+            extra = {
+                "flops": 2 * m * n2 * k,
+                "plain_err": _rel(plain(x, w, b), ref),
+                "tile": str(tuple(gl.default_config(m, n2 // 2, k))),
+                "tiles_graph_us": tiles_us,
+                "plain_eager_graph_us": _time(
+                    lambda x=x, w=w, b=b: gl.reference(x, w, b), 20, reps, True
+                ),
+            }
+            yield _row(
+                f"geglu_linear {m}x{n2}x{k} vs inductor",
+                arch,
+                1,
+                m * k * 2 + n2 * k * 2 + m * n2,
+                _rel(gl.geglu_linear(x, w, b), ref),
+                lambda x=x, w=w, b=b: plain(x, w, b),
+                lambda x=x, w=w, b=b: gl.geglu_linear(x, w, b),
+                reps,
+                **extra,
+            )
+            del x, w
+
+
 def _int8_linear_cases(kernels, reps, dev, tiles):
     # d. The Memory Pool's INT8 Linear: one matrix multiply reading the INT8 weight, against
     # the path it replaces (the weight expanded to fp16, then PyTorch's F.linear), with stock's
@@ -499,11 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=15, help="timed repeats per case (default 15)")
     ap.add_argument(
         "--only",
-        choices=["int8_linear", "group_norm_nhwc", "fp8_linear"],
+        choices=["int8_linear", "group_norm_nhwc", "fp8_linear", "geglu_linear"],
         default=None,
         help="run only these cases (group_norm_nhwc: against inductor's GroupNorm, the path it "
         "replaces in compiled mode; fp8_linear: e4m3 matrix multiplies, row-wise and "
-        "tensor-wise scales, against fp16, for an FP8 mode; both only with this option)",
+        "tensor-wise scales, against fp16, for an FP8 mode; geglu_linear: the feed-forward "
+        "projection with GEGLU in its epilogue, against inductor's GEMM + GEGLU; these three "
+        "only with this option)",
     )
     ap.add_argument(
         "--int8-tiles",
@@ -554,6 +622,15 @@ def main(argv=None) -> int:
                     f"      tensor-wise {r['tensorwise_graph_us']:8.1f} us; err fp16 "
                     f"{r['fp16_err']:.1e} row-wise {r['rowwise_err']:.1e} tensor-wise "
                     f"{r['tensorwise_err']:.1e}",
+                    flush=True,
+                )
+            if "plain_err" in r:
+                tiles_us = r["tiles_graph_us"]
+                best = min(tiles_us.items(), key=lambda kv: kv[1], default=("-", float("nan")))
+                print(
+                    f"      plain err {r['plain_err']:.1e}; eager plain "
+                    f"{r['plain_eager_graph_us']:.1f} us; tile {r['tile']}; best tile {best[0]} "
+                    f"{best[1]:.1f} us; all " + " ".join(f"{v:.1f}" for v in tiles_us.values()),
                     flush=True,
                 )
             if "fp16_graph_us" in r:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _jit, constraints, eager, int8_matmul, registry
+from . import geglu_linear as _geglu
 
 _OPS = (
     "control_merge",
@@ -151,6 +152,25 @@ def _register() -> None:
 
 if not _registered("group_norm_nhwc"):
     _register()
+
+
+def _register_geglu() -> None:
+    @torch.library.custom_op("cna::geglu_linear", mutates_args=())
+    def _geglu_linear_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        # Inside compiled code nothing checked this call's tensors before it (the rewrite
+        # checked their shapes when it compiled): check here, and take PyTorch's path rather
+        # than let the kernel refuse and fail the prompt.
+        if _geglu.triton_missing() is None and _geglu.problem(x, w, b) is None:
+            return _geglu.geglu_linear(x, w, b)
+        return _geglu.reference(x, w, b)
+
+    @_geglu_linear_op.register_fake
+    def _(x, w, b):
+        return x.new_empty((*x.shape[:-1], w.shape[0] // 2))
+
+
+if not _registered("geglu_linear"):
+    _register_geglu()
 
 
 # -- public API ---------------------------------------------------------------------------------
@@ -430,3 +450,15 @@ def int8_linear(
     ):
         return _cna().int8_linear(x, q, scale.reshape(-1).contiguous(), bias)
     return F.linear(x, dequant_rows(q, scale, x.dtype), bias)
+
+
+def geglu_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``value · gelu(gate)`` where ``value, gate = F.linear(x, w, b).chunk(2, -1)``: a
+    feed-forward projection with its GEGLU. On CUDA (Triton, compute capability 8.0+) one
+    matrix multiply that applies the GEGLU before storing (``geglu_linear``); elsewhere, or
+    outside the kernel's limits, PyTorch's path."""
+    if w.dim() != 2 or w.shape[0] % 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"geglu_linear: weight {tuple(w.shape)} must be (2N, K) for input (..., {x.shape[-1]})"
+        )
+    return torch.ops.cna.geglu_linear(x, w, b)

@@ -53,7 +53,7 @@ from ..graphs.compiled import (
 )
 from ..graphs.context_hoist import CompiledProjections
 from ..kernels import attention_choice, fx_rewrites
-from ..kernels.fx_rewrites import GroupNormRewrite
+from ..kernels.fx_rewrites import GegluRewrite, GroupNormRewrite
 from ..logger import logger
 
 COMPILE_RUN_KEY = "cna.compile_run"  # transformer_options entry: the run's CompileRun
@@ -106,10 +106,12 @@ def context_hoist_on(compiled: bool = False) -> bool:
     return compiled
 
 
-# Rewrites of the traced graphs before inductor: GroupNorm(+SiLU) on channels-last activations
-# runs the pack's kernel where that kernel serves (kernels/fx_rewrites.py), else inductor's code.
-# Opt-in (CNA_COMPILE_GROUP_NORM=1): options_for leaves it out unless it is on.
-GRAPH_PASSES = (GroupNormRewrite(),)
+# Rewrites of the traced graphs before inductor (kernels/fx_rewrites.py): GroupNorm(+SiLU) on
+# channels-last activations runs the pack's kernel where that kernel serves, else inductor's code
+# (opt-in, CNA_COMPILE_GROUP_NORM=1); each feed-forward projection with its GEGLU runs as one
+# matrix multiply that applies the GEGLU before storing (on; CNA_COMPILE_GEGLU=0 turns it off).
+# options_for leaves out the ones that are off.
+GRAPH_PASSES = (GroupNormRewrite(), GegluRewrite())
 # Each attention on the SDPA backend measured fastest for its shapes, the choices kept beside
 # the compile cache (kernels/attention_choice.py). CNA_COMPILE_ATTENTION: by default (auto) for
 # the attentions ComfyUI would run on flash attention first; fastest: every attention; off: none.
@@ -142,8 +144,9 @@ def options_for(choice: str) -> CompileOptions | None:
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
     nothing is generated). Unless ``CNA_COMPILE_GROUP_NORM=1`` turns it on, the GroupNorm rewrite
     is left out of the settings, so code compiled with it is not reused without it (and the
-    other way). ``CNA_COMPILE_ATTENTION`` adds the attention-backend choice for its mode (by
-    default for the attentions ComfyUI runs on flash attention first) the same way.
+    other way); ``CNA_COMPILE_GEGLU=0`` leaves the GEGLU rewrite out the same way.
+    ``CNA_COMPILE_ATTENTION`` adds the attention-backend choice for its mode (by default for the
+    attentions ComfyUI runs on flash attention first) the same way.
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
     of static ones (one per size). ``CNA_COMPILE_DEDUP=1`` compiles each repeated region once.
     ``CNA_COMPILE_TUNING=1`` adds the inductor settings of diffusers' SD recipe.
@@ -155,6 +158,9 @@ def options_for(choice: str) -> CompileOptions | None:
         return None
     if not fx_rewrites.enabled():
         passes = tuple(p for p in base.graph_passes if not isinstance(p, GroupNormRewrite))
+        base = dataclasses.replace(base, graph_passes=passes)
+    if not fx_rewrites.geglu_enabled():
+        passes = tuple(p for p in base.graph_passes if not isinstance(p, GegluRewrite))
         base = dataclasses.replace(base, graph_passes=passes)
     attention = {
         attention_choice.ON: ATTENTION_CHOICE,

@@ -83,6 +83,18 @@ def test_group_norm_switch_gives_other_settings(monkeypatch):
     assert cs.options_for("off") is None
 
 
+def test_geglu_switch_gives_other_settings(monkeypatch):
+    from comfyui_controlnet_accelerator.kernels import fx_rewrites
+
+    monkeypatch.delenv(fx_rewrites.GEGLU_ENV, raising=False)  # on unless turned off
+    on = cs.options_for("inductor")
+    assert any(isinstance(p, fx_rewrites.GegluRewrite) for p in on.graph_passes)
+    monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "0")
+    off = cs.options_for("inductor max-autotune")
+    assert not any(isinstance(p, fx_rewrites.GegluRewrite) for p in off.graph_passes)
+    assert cs.options_for("inductor") != on
+
+
 def test_attention_choice_switch_gives_other_settings(monkeypatch):
     from comfyui_controlnet_accelerator.kernels import attention_choice
 
@@ -199,10 +211,13 @@ def test_an_adopted_torch_compile_model_gets_the_pack_s_compile_switches(allocat
 
     allocator("native")
     monkeypatch.delenv(fx_rewrites.ENV, raising=False)
+    monkeypatch.delenv(fx_rewrites.GEGLU_ENV, raising=False)
     monkeypatch.delenv(cs.DYNAMIC_ENV, raising=False)
     monkeypatch.setenv(attention_choice.ENV, "fastest")
     run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))
-    assert run.options.graph_passes == (cs.ATTENTION_CHOICE,), run.options.graph_passes
+    passes = run.options.graph_passes
+    assert passes == (fx_rewrites.GegluRewrite(), cs.ATTENTION_CHOICE), passes
+    monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "0")
     monkeypatch.setenv(attention_choice.ENV, "off")
     monkeypatch.setenv(cs.DYNAMIC_ENV, "1")
     run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))  # its dynamic: None
