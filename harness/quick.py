@@ -257,12 +257,12 @@ VARIANTS["graph_compiled_gn_kernel"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=23, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_gn_kernel"] = {"CNA_COMPILE_GROUP_NORM": "1"}
-# Compiled mode with every GEGLU left to inductor (CNA_COMPILE_GEGLU=0; on by default, each
-# feed-forward projection and its GEGLU run as one matrix multiply). max_graphs 13, as below.
-VARIANTS["graph_compiled_plain_geglu"] = _insert_model_node(
+# Compiled mode with each feed-forward projection and its GEGLU as one matrix multiply of the
+# pack's (CNA_COMPILE_GEGLU=1, opt-in; off, every GEGLU is inductor's). max_graphs 13, as below.
+VARIANTS["graph_compiled_geglu_kernel"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=13, verify=False, compile="inductor"
 )
-VARIANT_ENV["graph_compiled_plain_geglu"] = {"CNA_COMPILE_GEGLU": "0"}
+VARIANT_ENV["graph_compiled_geglu_kernel"] = {"CNA_COMPILE_GEGLU": "1"}
 # Compiled mode with dynamic shapes: one compile for every size (max_graphs 22: an input that
 # differs from the other compiled variants', as above).
 VARIANTS["graph_compiled_dynamic"] = _insert_model_node(

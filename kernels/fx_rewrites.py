@@ -19,9 +19,11 @@ the pack's channels-last kernel*).
 ``GegluRewrite``: a feed-forward projection followed by its GEGLU (``F.linear`` → ``chunk(2,
 -1)`` → ``value * F.gelu(gate)``, as ComfyUI's ``GEGLU`` writes it) becomes one call of
 ``cna::geglu_linear``, a matrix multiply that applies the GEGLU before storing
-(``geglu_linear.py``), so the projection's full-width result is never written. On by default
-where Triton runs (``CNA_COMPILE_GEGLU=0`` turns it off): faster than inductor's GEMM + GEGLU at
-every SD1.5 and SDXL shape measured (docs/benchmarks.md, *GEGLU in the feed-forward projection*).
+(``geglu_linear.py``), so the projection's full-width result is never written. Off unless
+``CNA_COMPILE_GEGLU=1``: alone, the kernel is faster than inductor's GEMM + GEGLU at every SD1.5
+and SDXL shape measured, but in a whole compiled step it has not paid (SDXL 1024² with one
+ControlNet ran 0.7 ms/step slower with it; docs/benchmarks.md, *GEGLU in the feed-forward
+projection*).
 
 Plain PyTorch; no ComfyUI import.
 """
@@ -158,10 +160,10 @@ class GroupNormRewrite:
 
 
 def geglu_enabled() -> bool:
-    """``CNA_COMPILE_GEGLU=0`` leaves every GEGLU to inductor; on otherwise. Read at each compile
-    (compiled mode also leaves the rewrite out of its settings when it is off, so code compiled
-    with and without it is kept apart)."""
-    return os.environ.get(GEGLU_ENV, "1").strip() != "0"
+    """``CNA_COMPILE_GEGLU=1`` turns the GEGLU rewrite on; otherwise every GEGLU is inductor's.
+    Read at each compile (compiled mode also leaves the rewrite out of its settings when it is
+    off, so code compiled with and without it is kept apart)."""
+    return os.environ.get(GEGLU_ENV, "0").strip() == "1"
 
 
 def _only_user(node: torch.fx.Node):

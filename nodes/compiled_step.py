@@ -109,8 +109,8 @@ def context_hoist_on(compiled: bool = False) -> bool:
 # Rewrites of the traced graphs before inductor (kernels/fx_rewrites.py): GroupNorm(+SiLU) on
 # channels-last activations runs the pack's kernel where that kernel serves, else inductor's code
 # (opt-in, CNA_COMPILE_GROUP_NORM=1); each feed-forward projection with its GEGLU runs as one
-# matrix multiply that applies the GEGLU before storing (on; CNA_COMPILE_GEGLU=0 turns it off).
-# options_for leaves out the ones that are off.
+# matrix multiply that applies the GEGLU before storing (opt-in, CNA_COMPILE_GEGLU=1). Neither
+# has paid in a whole step yet; options_for leaves out the ones that are off.
 GRAPH_PASSES = (GroupNormRewrite(), GegluRewrite())
 # Each attention on the SDPA backend measured fastest for its shapes, the choices kept beside
 # the compile cache (kernels/attention_choice.py). CNA_COMPILE_ATTENTION: by default (auto) for
@@ -144,7 +144,7 @@ def options_for(choice: str) -> CompileOptions | None:
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
     nothing is generated). Unless ``CNA_COMPILE_GROUP_NORM=1`` turns it on, the GroupNorm rewrite
     is left out of the settings, so code compiled with it is not reused without it (and the
-    other way); ``CNA_COMPILE_GEGLU=0`` leaves the GEGLU rewrite out the same way.
+    other way); ``CNA_COMPILE_GEGLU=1`` puts the GEGLU rewrite in the same way.
     ``CNA_COMPILE_ATTENTION`` adds the attention-backend choice for its mode (by default for the
     attentions ComfyUI runs on flash attention first) the same way.
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead

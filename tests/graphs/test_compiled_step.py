@@ -86,13 +86,13 @@ def test_group_norm_switch_gives_other_settings(monkeypatch):
 def test_geglu_switch_gives_other_settings(monkeypatch):
     from comfyui_controlnet_accelerator.kernels import fx_rewrites
 
-    monkeypatch.delenv(fx_rewrites.GEGLU_ENV, raising=False)  # on unless turned off
-    on = cs.options_for("inductor")
-    assert any(isinstance(p, fx_rewrites.GegluRewrite) for p in on.graph_passes)
-    monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "0")
-    off = cs.options_for("inductor max-autotune")
+    monkeypatch.delenv(fx_rewrites.GEGLU_ENV, raising=False)  # off unless asked for
+    off = cs.options_for("inductor")
     assert not any(isinstance(p, fx_rewrites.GegluRewrite) for p in off.graph_passes)
-    assert cs.options_for("inductor") != on
+    monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "1")
+    on = cs.options_for("inductor max-autotune")
+    assert any(isinstance(p, fx_rewrites.GegluRewrite) for p in on.graph_passes)
+    assert cs.options_for("inductor") != off
 
 
 def test_attention_choice_switch_gives_other_settings(monkeypatch):
@@ -211,13 +211,13 @@ def test_an_adopted_torch_compile_model_gets_the_pack_s_compile_switches(allocat
 
     allocator("native")
     monkeypatch.delenv(fx_rewrites.ENV, raising=False)
-    monkeypatch.delenv(fx_rewrites.GEGLU_ENV, raising=False)
+    monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "1")
     monkeypatch.delenv(cs.DYNAMIC_ENV, raising=False)
     monkeypatch.setenv(attention_choice.ENV, "fastest")
     run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))
     passes = run.options.graph_passes
     assert passes == (fx_rewrites.GegluRewrite(), cs.ATTENTION_CHOICE), passes
-    monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "0")
+    monkeypatch.delenv(fx_rewrites.GEGLU_ENV)
     monkeypatch.setenv(attention_choice.ENV, "off")
     monkeypatch.setenv(cs.DYNAMIC_ENV, "1")
     run, _ = cs.begin_run(None, _tcm_options(), torch.nn.Linear(2, 2))  # its dynamic: None

@@ -17,7 +17,7 @@ NEWER = {
         "graph_compiled",
         "fused+graph_compiled",
         "graph_compiled_gn_kernel",
-        "graph_compiled_plain_geglu",
+        "graph_compiled_geglu_kernel",
         "graph_compiled_dynamic",
         "graph_compiled_attention",
         "graph_compiled_comfy_attention",

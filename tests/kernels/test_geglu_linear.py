@@ -172,8 +172,8 @@ def test_the_rewrite_takes_comfyuis_geglu_and_nothing_else():
 
 
 def test_the_rewrite_is_off_where_the_kernel_does_not_serve(monkeypatch):
-    """Not forced: on the CPU the graph is left to inductor; with the switch off, or under grad
-    mode with trainable weights, too."""
+    """Not forced: on the CPU the graph is left to inductor; under grad mode with trainable
+    weights, too. It is opt-in (``CNA_COMPILE_GEGLU=1``)."""
     torch.manual_seed(0)
     m = FeedForward().eval()
     x = torch.randn(2, 5, 32)
@@ -182,10 +182,15 @@ def test_the_rewrite_is_off_where_the_kernel_does_not_serve(monkeypatch):
         assert GegluRewrite().rewrite(gm) == 0 and GegluRewrite()(gm) is None
     (gm,), _ = _graph_of(m, x)
     assert GegluRewrite(force=True).rewrite(gm) == 0  # weights that train: left alone
-    monkeypatch.setenv(GEGLU_ENV, "0")
     from comfyui_controlnet_accelerator.kernels import fx_rewrites
 
+    monkeypatch.delenv(GEGLU_ENV, raising=False)
     assert not fx_rewrites.geglu_enabled()
+    monkeypatch.setenv(GEGLU_ENV, "1")
+    assert fx_rewrites.geglu_enabled()
+    with torch.no_grad():
+        (gm,), _ = _graph_of(m.requires_grad_(False), x)
+        assert GegluRewrite().rewrite(gm) == 0  # switched on, but the CPU has no kernel
 
 
 def _devices():
@@ -193,7 +198,7 @@ def _devices():
 
 
 @pytest.mark.parametrize("device", _devices())
-def test_compiled_with_the_rewrite_matches_eager(device):
+def test_compiled_with_the_rewrite_matches_eager(device, monkeypatch):
     """Through the pack's compiled module: on the GPU inductor's code calls the kernel (fp16,
     the rewrite as compiled mode runs it); on the CPU AOTAutograd traces the op through its
     fake and runs its PyTorch path (fp32, forced, ``aot_eager``)."""
@@ -204,6 +209,8 @@ def test_compiled_with_the_rewrite_matches_eager(device):
     m = FeedForward(320, 1280).to(device=device, dtype=dtype).eval().requires_grad_(False)
     x = torch.randn(2, 256, 320, device=device, dtype=dtype)
     rewrite = GegluRewrite(force=device != "cuda")
+    if device == "cuda":  # opt-in: as compiled mode runs it under CNA_COMPILE_GEGLU=1
+        monkeypatch.setenv(GEGLU_ENV, "1")
     with torch.no_grad():
         seen = []
         opts = CompileOptions(
