@@ -87,7 +87,7 @@ class ModelGraphState:
         """The classic ModelPatcher of a classic copy of the ControlNet network ``patcher``
         manages under DynamicVRAM, made once per network (``compat.classic_control_patcher``);
         None, with the reason logged once, when none can be made. A lasting reason is kept
-        with the network: later runs do not try again (a failed deep copy is not repeated at
+        with the network: later runs do not try again (a copy that failed is not repeated at
         every prompt); a passing one (free RAM) is asked again at the next run."""
         net = getattr(patcher, "model", None)
         if net is None:
