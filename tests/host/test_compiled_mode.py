@@ -196,6 +196,45 @@ def test_group_norms_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
     assert len(with_gn) >= 2 and all(fused for done, fused in seen if done), seen
 
 
+def test_geglus_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
+    host, native, tiny_models, monkeypatch
+):
+    """The GEGLU rewrite on ComfyUI's own UNet and ControlNet (forced on: on the CPU the Triton
+    kernel does not serve, and the op runs PyTorch's path there): it finds the feed-forward
+    projection and GEGLU of every transformer block in both networks' traced graphs, as
+    ComfyUI's ``GEGLU`` writes them on either version, and the run still matches stock."""
+    import dataclasses
+
+    pack = sys.modules[host.pack_module_name]
+    step, fx = pack.nodes.compiled_step, pack.kernels.fx_rewrites
+    seen = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(fx.GegluRewrite):
+        def __call__(self, gm):
+            seen.append(self.rewrite(gm))
+            return None
+
+    opts = dataclasses.replace(step.CHOICES["inductor"], graph_passes=(Counting(force=True),))
+    monkeypatch.setitem(step.CHOICES, "inductor", opts)
+    monkeypatch.setenv(fx.GEGLU_ENV, "1")  # the rewrite is opt-in; off, compiled mode leaves it out
+    _compiled_run_matches_stock(host, 22)
+    import comfy.controlnet
+    import comfy.sd
+
+    unet, _, _, _ = comfy.sd.load_checkpoint_guess_config(
+        str(tiny_models["sd15-tiny"]), output_vae=False, output_clip=False
+    )
+    cn = comfy.controlnet.load_controlnet(str(tiny_models["sd15-tiny-cn-a"]))
+    geglus = sum(
+        type(m).__name__ == "GEGLU"
+        for net in (unet.model.diffusion_model, cn.control_model)
+        for m in net.modules()
+    )
+    assert geglus >= 2 and len(seen) >= 2, (geglus, seen)  # the UNet's graph and the ControlNet's
+    assert sum(seen) == geglus, (geglus, seen)  # every one, once
+
+
 def test_attentions_of_comfyuis_networks_run_the_backend_measured_fastest(
     host, native, tiny_models, monkeypatch
 ):
