@@ -29,6 +29,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .int8_matmul import triton_missing  # noqa: F401 (one check for the pack's Triton kernels)
+
 
 class Config(NamedTuple):
     """One tile shape: tokens (BM) × outputs (BN, of each half) × depth (BK) per program."""
@@ -80,17 +82,6 @@ def problem(x: torch.Tensor, w: torch.Tensor, b) -> str | None:
         return "GPU older than compute capability 8.0"
     if w.stride(1) != 1 or x.numel() == 0:
         return "weight rows not contiguous or empty input"
-    return None
-
-
-@functools.cache
-def triton_missing() -> str | None:
-    """Why Triton cannot be used in this process, or None."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means: not usable
-        return f"Triton is not importable ({type(e).__name__}: {e})"
     return None
 
 
