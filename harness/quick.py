@@ -263,6 +263,17 @@ VARIANTS["graph_compiled_geglu_kernel"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=13, verify=False, compile="inductor"
 )
 VARIANT_ENV["graph_compiled_geglu_kernel"] = {"CNA_COMPILE_GEGLU": "1"}
+# ... and with the ControlNets before the UNet on one stream (concurrent_controlnet off), against
+# graph_compiled_serial: the kernel without another stream's kernels beside it. max_graphs 12.
+VARIANTS["graph_compiled_geglu_kernel_serial"] = _insert_model_node(
+    "CNA_CUDAGraph",
+    enabled=True,
+    max_graphs=12,
+    verify=False,
+    compile="inductor",
+    concurrent_controlnet=False,
+)
+VARIANT_ENV["graph_compiled_geglu_kernel_serial"] = {"CNA_COMPILE_GEGLU": "1"}
 # Compiled mode with dynamic shapes: one compile for every size (max_graphs 22: an input that
 # differs from the other compiled variants', as above).
 VARIANTS["graph_compiled_dynamic"] = _insert_model_node(
@@ -366,6 +377,8 @@ PEER_MODES = ("reduce-overhead", "max-autotune-no-cudagraphs")
 
 # Kernel-name patterns -> op kind, for --op-profile (first match wins; names are lowercased).
 OP_KINDS = [
+    # the pack's matrix multiply with the GEGLU in its epilogue (kernels/geglu_linear.py)
+    ("gemm+geglu", ("geglu_kernel",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
     ("groupnorm", ("group_norm", "groupnorm", "rowwisemoments", "computefusedparams", "gn_")),
     ("layernorm", ("layer_norm", "layernorm")),
@@ -695,6 +708,9 @@ def run_workload(
             row.peak_allocated_mib = max(x.peak_allocated for x in runs) / MiB
             row.peak_reserved_mib = max(x.peak_reserved for x in runs) / MiB
             row.resident_mib = statistics.median(x.resident_bytes for x in runs) / MiB
+            used = [x.extra["device_used_end"] for x in runs if "device_used_end" in x.extra]
+            if used:  # the process's device memory after the warm rounds: every model held
+                row.extra["device_used_end_mib"] = max(used) / MiB
         if v in busy:
             row.gpu_busy_ms_step, row.launches_step = busy[v]
         if v in op_prof:

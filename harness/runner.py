@@ -147,6 +147,10 @@ class Runner:
         if "decode" in ids:
             image = self.output_of(ids["decode"])[0].float().cpu()
         res = RunResult(latent, image, step_ms, wall, resident, peak_a, peak_r)
+        if self.cuda:
+            # the device's memory in use once the prompt is done: every model still held, those
+            # in memory PyTorch's allocator does not see (DynamicVRAM's weights) included
+            res.extra["device_used_end"] = _device_used()
         samp = [x for x in sampling_peaks if x[0] == "sampling"]
         if samp:  # loading the run's models and sampling, without the prompt's other nodes
             res.extra["sampling_peak_allocated"] = max(x[1] for x in samp)

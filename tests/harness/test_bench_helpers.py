@@ -21,6 +21,8 @@ from comfyui_controlnet_accelerator.harness.quick import op_kind
         ("nvjet_sm90_hsh_168x128_64x5_1x2_h_bz_coopA_bias_TNN", "gemm"),
         ("void at::native::vectorized_layer_norm_kernel<c10::Half, float, false>", "layernorm"),
         ("void cna::gn_apply_kernel<__half, 8, unsigned int>", "groupnorm"),
+        ("geglu_kernel", "gemm+geglu"),
+        ("triton_poi_fused_gelu_mul_0", "silu/gelu"),
     ],
 )
 def test_op_kind(name, kind):

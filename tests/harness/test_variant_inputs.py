@@ -18,6 +18,7 @@ NEWER = {
         "fused+graph_compiled",
         "graph_compiled_gn_kernel",
         "graph_compiled_geglu_kernel",
+        "graph_compiled_geglu_kernel_serial",
         "graph_compiled_dynamic",
         "graph_compiled_attention",
         "graph_compiled_comfy_attention",
