@@ -137,6 +137,19 @@ def _stock_merge(nets, strengths_f):
     return out
 
 
+def _inductor(fn, backend="inductor"):
+    """``fn`` compiled by inductor as compiled mode compiles (static shapes): each new shape
+    compiles code of its own. Left to torch's default, the second shape a compiled function
+    meets recompiles it with dynamic shapes, and from then on every shape runs code that is not
+    specialised to it, slower than what compiled mode runs. The cases call one function with up
+    to 19 shapes, over dynamo's default of 8 compiles per function; past it, calls would run
+    eager."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=False, backend=backend)
+
+
 def cases(kernels, reps: int, dev: str = "cuda", only: str | None = None, tiles=None):
     """Yield result dicts (``only``: the ops whose name starts with it; ``tiles``: int8_linear
     tile shapes to time besides the default one)."""
@@ -338,7 +351,7 @@ def _group_norm_nhwc_cases(kernels, reps, dev):
     # there), with eager PyTorch alongside (``eager_graph_us``).
     dt_ = torch.float16
     g = torch.Generator(device=dev).manual_seed(2)
-    ind = torch.compile(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b, 1e-5)))
+    ind = _inductor(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b, 1e-5)))
     for arch, shape in NHWC_GN:
         x = torch.randn(shape, generator=g, device=dev).to(dt_)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -387,9 +400,9 @@ def _fp8_linear_cases(reps, dev):
         return
     dt_ = torch.float16
     g = torch.Generator(device=dev).manual_seed(3)
-    f16 = torch.compile(lambda x, w, b: F.linear(x, w, b))
-    rows = torch.compile(lambda x, w8t, sw, b: _fp8_linear(x, w8t, sw, b, True))
-    tens = torch.compile(lambda x, w8t, sw, b: _fp8_linear(x, w8t, sw, b, False))
+    f16 = _inductor(lambda x, w, b: F.linear(x, w, b))
+    rows = _inductor(lambda x, w8t, sw, b: _fp8_linear(x, w8t, sw, b, True))
+    tens = _inductor(lambda x, w8t, sw, b: _fp8_linear(x, w8t, sw, b, False))
     for arch, shapes in (("sd15", SD15_LINEAR), ("sdxl", SDXL_LINEAR)):
         for m, n, k in shapes:
             if m % 16 or n % 16 or k % 16:
@@ -442,7 +455,7 @@ def _geglu_linear_cases(reps, dev):
 
     dt_ = torch.float16
     g = torch.Generator(device=dev).manual_seed(4)
-    plain = torch.compile(gl.reference)
+    plain = _inductor(gl.reference)
     for arch, shapes in (("sd15", SD15_GEGLU), ("sdxl", SDXL_GEGLU)):
         for m, n2, k in shapes:
             x = torch.randn(m, k, generator=g, device=dev).to(dt_)

@@ -298,3 +298,54 @@ def test_compile_phases_table_has_a_column_per_variant_that_compiled():
 
     out = phases_text([row("W1", "stock"), row("W1", "graph_compiled", a), row("W0", "stock")])
     assert "W1: Compile phases" in out and "W0: no compile in any first run" in out
+
+
+def _graph_sizes(seen):
+    """A dynamo backend that records, per graph it gets, whether any input size is symbolic."""
+    import torch
+
+    def backend(gm, example_inputs):
+        seen.append(
+            any(
+                isinstance(d, torch.SymInt)
+                for t in example_inputs
+                if isinstance(t, torch.Tensor)
+                for d in t.shape
+            )
+            or any(isinstance(t, torch.SymInt) for t in example_inputs)
+        )
+        return gm.forward
+
+    return backend
+
+
+def test_the_kernel_benchmark_compiles_every_shape_static_as_compiled_mode_does():
+    import torch
+    import torch._dynamo
+    from comfyui_controlnet_accelerator.harness.kernel_bench import _inductor
+
+    def geglu(x):
+        v, g = x.chunk(2, -1)
+        return v * torch.nn.functional.gelu(g)
+
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.reset()
+    try:
+        # torch's default: the second shape recompiles with symbolic sizes
+        default: list[bool] = []
+        f = torch.compile(geglu, backend=_graph_sizes(default))
+        for n in (8, 16, 24):
+            f(torch.randn(n, 32))
+        assert default[0] is False and True in default[1:]
+        torch._dynamo.reset()
+        # the benchmark's baselines: one static graph per shape, past dynamo's 8 per function
+        static: list[bool] = []
+        f = _inductor(geglu, backend=_graph_sizes(static))
+        shapes = [8 * (i + 1) for i in range(12)]
+        for n in shapes:
+            x = torch.randn(n, 32)
+            torch.testing.assert_close(f(x), geglu(x))
+        assert static == [False] * len(shapes)
+    finally:
+        torch._dynamo.config.recompile_limit = limit
+        torch._dynamo.reset()
