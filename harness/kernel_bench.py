@@ -440,10 +440,13 @@ def _fp8_linear_cases(reps, dev):
 # 1024² and of SDXL at 1024², batch 2 (CFG).
 SD15_GEGLU = [(8192, 2560, 320), (2048, 5120, 640), (512, 10240, 1280), (32768, 2560, 320)]
 SDXL_GEGLU = [(8192, 5120, 640), (2048, 10240, 1280)]
-# Tile shapes (tokens, outputs per half, depth, warps, stages) the geglu_linear cases also time.
+# Tile shapes (tokens, outputs per half, depth, warps, stages[, group, tensor memory
+# accelerator]) the geglu_linear cases also time.
 GEGLU_TILES = [
     (128, 64, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 32, 4, 4), (64, 128, 64, 4, 4),
     (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (256, 64, 64, 8, 3), (64, 64, 64, 4, 4),
+    (128, 128, 64, 8, 3, 8, True), (128, 128, 64, 8, 4, 8, True), (128, 128, 32, 8, 5, 8, True),
+    (128, 64, 64, 4, 3, 8, True), (128, 64, 64, 8, 4, 8, True), (64, 128, 64, 4, 4, 8, True),
 ]  # fmt: skip
 
 
@@ -483,6 +486,11 @@ def _geglu_linear_cases(reps, dev):
                 "tiles_graph_us": tiles_us,
                 "plain_eager_graph_us": _time(
                     lambda x=x, w=w, b=b: gl.reference(x, w, b), 20, reps, True
+                ),
+                # the projection alone (cuBLAS), without the GEGLU: what a fused kernel's
+                # matrix multiply must match for the GEGLU's pass to be all it saves
+                "gemm_only_graph_us": _time(
+                    lambda x=x, w=w, b=b: F.linear(x, w, b), 20, reps, True
                 ),
             }
             # Cold weights: each call in the graph reads another copy of the weight (120 MB of

@@ -61,3 +61,43 @@ def geglu_kernel(
     y = (acc_v * gelu).to(y_ptr.dtype.element_ty)
     y_ptrs = y_ptr + offs_m[:, None] * sym + offs_n[None, :] * syn
     tl.store(y_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def geglu_kernel_tma(
+    x_desc, w_desc, b_ptr, y_desc,
+    M, N, K,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    """The same product as ``geglu_kernel``, with the tiles moved by the GPU's tensor memory
+    accelerator (Hopper and later; host-built descriptors: x (M, K) in [BM, BK] blocks, w (2N, K)
+    in [BN, BK], y (M, N) in [BM, BN]), and a fixed number of programs, each taking every
+    PROGRAMS-th output tile, so one tile's epilogue overlaps the next one's loads. Blocks past
+    an edge read zeros and are not stored."""
+    pid = tl.program_id(0)
+    grid_m = (M + BM - 1) // BM
+    grid_n = (N + BN - 1) // BN
+    tiles = grid_m * grid_n
+    k_tiles = (K + BK - 1) // BK
+    width = GROUP * grid_n
+    for t in tl.range(pid, tiles, PROGRAMS, flatten=True):
+        first_m = (t // width) * GROUP
+        size_m = min(grid_m - first_m, GROUP)
+        om = (first_m + (t % width) % size_m) * BM
+        on = ((t % width) // size_m) * BN
+        acc_v = tl.full((BM, BN), 0.0, tl.float32)
+        acc_g = tl.full((BM, BN), 0.0, tl.float32)
+        for kk in range(k_tiles):
+            a = x_desc.load([om, kk * BK])
+            wv = w_desc.load([on, kk * BK])
+            wg = w_desc.load([N + on, kk * BK])
+            acc_v = tl.dot(a, wv.T, acc_v)
+            acc_g = tl.dot(a, wg.T, acc_g)
+        if HAS_BIAS:
+            rn = on + tl.arange(0, BN)
+            acc_v += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(b_ptr + N + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        gelu = 0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476))
+        y_desc.store([om, on], (acc_v * gelu).to(y_desc.dtype))

@@ -41,17 +41,20 @@ class Config(NamedTuple):
     warps: int
     stages: int
     group: int = 8
+    # tiles moved by the tensor memory accelerator, a fixed number of programs (Hopper and
+    # later; where the operands' alignment allows it, else the pointer kernel runs this tile)
+    tma: bool = False
 
 
 def default_config(m: int, n: int, k: int) -> Config:
     """Two fp32 accumulators per program. Measured on an H100 at SD's shapes
-    (docs/benchmarks.md, *GEGLU in the feed-forward projection*): 128 × 128 where that still
-    makes at least 512 tiles (about four waves of programs), else 128 × 64; few tokens take a
-    narrower tile."""
+    (docs/benchmarks.md, *GEGLU in the feed-forward projection*): 128 × 128 moved by the
+    tensor memory accelerator, in 4 stages, where that still makes at least 512 tiles (about
+    four waves of programs), else 128 × 64 by pointers; few tokens take a narrower tile."""
     if m <= 64:
         return Config(64, 64, 64, 4, 4)
     if ((m + 127) // 128) * ((n + 127) // 128) >= 512:
-        return Config(128, 128, 64, 8, 3)
+        return Config(128, 128, 64, 8, 4, 8, True)
     return Config(128, 64, 64, 8, 3)
 
 
@@ -92,6 +95,33 @@ def _kernel():
     return _geglu_triton.geglu_kernel
 
 
+@functools.cache
+def _kernel_tma():
+    from . import _geglu_triton
+
+    return _geglu_triton.geglu_kernel_tma
+
+
+def _tma_ok(x2: torch.Tensor, w: torch.Tensor, n: int) -> bool:
+    """The descriptors' conditions: 16-byte aligned bases and row strides, rows contiguous."""
+    if x2.device.type == "cuda" and torch.cuda.get_device_capability(x2.device) < (9, 0):
+        return False
+    e = x2.element_size()
+    return (
+        x2.data_ptr() % 16 == 0
+        and w.data_ptr() % 16 == 0
+        and (x2.stride(0) * e) % 16 == 0
+        and (w.stride(0) * e) % 16 == 0
+        and (n * e) % 16 == 0
+        and x2.stride(1) == 1
+    )
+
+
+@functools.cache
+def _programs(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def geglu_linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -108,6 +138,25 @@ def geglu_linear(
     n = w.shape[0] // 2
     cfg = config or default_config(m, n, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if cfg.tma and not _tma_ok(x2, w, n):
+        # the pointer kernel holds more per stage (its loads are not TMA's): at most 3 stages
+        cfg = cfg._replace(tma=False, stages=min(cfg.stages, 3))
+    if cfg.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        tiles = ((m + cfg.bm - 1) // cfg.bm) * ((n + cfg.bn - 1) // cfg.bn)
+        progs = min(tiles, _programs(x.device.index or 0) if x.is_cuda else 4)
+        _kernel_tma()[(progs,)](
+            TensorDescriptor.from_tensor(x2, [cfg.bm, cfg.bk]),
+            TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk]),
+            b if b is not None else w,
+            TensorDescriptor.from_tensor(y, [cfg.bm, cfg.bn]),
+            m, n, k,
+            HAS_BIAS=b is not None,
+            BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP=cfg.group, PROGRAMS=progs,
+            num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+        return y.reshape(*lead, n)
     grid = (((m + cfg.bm - 1) // cfg.bm) * ((n + cfg.bn - 1) // cfg.bn),)
     _kernel()[grid](
         x2, w, b if b is not None else w, y,

@@ -47,6 +47,7 @@ def _reload_kernel():
     if name in sys.modules:
         importlib.reload(sys.modules[name])
     gl._kernel.cache_clear()
+    gl._kernel_tma.cache_clear()
 
 
 @pytest.fixture
@@ -71,9 +72,16 @@ def interpreted(monkeypatch):
         (50, 160, 32, True, (16, 16, 32, 1, 1, 3)),  # groups of 3 token tiles, 5 output tiles
     ],
 )
-def test_the_kernel_matches_the_reference_in_the_interpreter(interpreted, m, n2, k, bias, tile):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_the_kernel_matches_the_reference_in_the_interpreter(
+    interpreted, monkeypatch, m, n2, k, bias, tile, tma
+):
     x, w, b = _inputs(m, n2, k, torch.float32, "cpu", bias=bias)
-    got = gl.geglu_linear(x, w, b, gl.Config(*tile))
+    assert gl._tma_ok(x, w, n2 // 2) == (k % 4 == 0 and n2 // 2 % 4 == 0)
+    with monkeypatch.context() as mp:
+        if tma:  # the descriptor kernel runs, not the other one
+            mp.setattr(gl, "_kernel", lambda: pytest.fail("the pointer kernel ran"))
+        got = gl.geglu_linear(x, w, b, gl.Config(*tile, tma=tma))
     assert got.shape == (m, n2 // 2)
     assert _rel(got, _ref64(x, w, b)) < 1e-5
 
@@ -85,6 +93,29 @@ def test_the_kernel_takes_any_leading_shape_and_a_strided_input(interpreted):
     got = gl.geglu_linear(wide, w, b, gl.Config(16, 16, 16, 1, 1))
     assert got.shape == (2, 21, 32)
     assert _rel(got, _ref64(x3, w, b)) < 1e-5
+
+
+def test_a_descriptor_tile_the_operands_cannot_take_runs_on_pointers(interpreted, monkeypatch):
+    x, w, b = _inputs(21, 64, 32, torch.float32, "cpu")
+    xs = torch.zeros(21, 33)[:, :32]  # rows 132 bytes apart: not a descriptor's 16-byte step
+    xs.copy_(x)
+    assert not gl._tma_ok(xs, w, 32)
+    real, seen = gl._kernel, {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.update(kw)
+                return real()[grid](*args, **kw)
+
+            return launch
+
+    with monkeypatch.context() as mp:
+        mp.setattr(gl, "_kernel", Spy)
+        mp.setattr(gl, "_kernel_tma", lambda: pytest.fail("the descriptor kernel ran"))
+        got = gl.geglu_linear(xs, w, b, gl.Config(16, 16, 16, 1, 5, 2, True))
+    assert seen["num_stages"] == 3  # the pointer kernel's stages hold more: capped
+    assert _rel(got, _ref64(x, w, b)) < 1e-5
 
 
 def test_the_op_runs_pytorchs_path_off_the_gpu_and_checks_the_weight():
@@ -113,10 +144,12 @@ def test_the_kernel_says_what_it_cannot_take():
 
 
 def test_the_tile_follows_the_measured_rule():
-    # 128 × 128 where that leaves at least 512 tiles, else 128 × 64; 64 × 64 for few tokens
-    assert gl.default_config(8192, 1280, 320)[:2] == (128, 128)  # SD1.5 512², first level
-    assert gl.default_config(2048, 5120, 1280)[:2] == (128, 128)  # SDXL 1024², second level
-    assert gl.default_config(2048, 2560, 640)[:2] == (128, 64)  # SD1.5 512², second level
+    # 128 × 128 by descriptors where that leaves at least 512 tiles, else 128 × 64 by
+    # pointers; 64 × 64 for few tokens
+    big = gl.Config(128, 128, 64, 8, 4, 8, True)
+    assert gl.default_config(8192, 1280, 320) == big  # SD1.5 512², first level
+    assert gl.default_config(2048, 5120, 1280) == big  # SDXL 1024², second level
+    assert gl.default_config(2048, 2560, 640) == (128, 64, 64, 8, 3, 8, False)  # SD1.5, 2nd
     assert gl.default_config(512, 5120, 1280)[:2] == (128, 64)  # SD1.5 512², third level
     assert gl.default_config(32, 5120, 1280)[:2] == (64, 64)
 
@@ -283,3 +316,41 @@ def test_on_the_gpu_it_replays_in_a_cuda_graph_with_new_inputs():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, ops.geglu_linear(x2, w, b))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("m", "n2", "k"), GPU_SHAPES)
+def test_on_the_gpu_the_descriptor_kernel_is_as_close_to_fp64_as_the_plain_path(m, n2, k, dtype):
+    if not _gpu_ready() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("no Triton or a GPU older than compute capability 9.0")
+    x, w, b = _inputs(m, n2, k, dtype, "cuda", seed=m + k)
+    cfg = gl.Config(128, 128, 64, 8, 3, 8, True)
+    ref = _ref64(x, w, b)
+    got = gl.geglu_linear(x, w, b, cfg)
+    assert _rel(got, ref) <= max(1.25 * _rel(gl.reference(x, w, b), ref), 1e-4)
+    # a row stride the descriptors cannot take: the pointer kernel runs the same tile
+    xs = torch.zeros(m, k + 1, dtype=dtype, device="cuda")[:, :k]
+    xs.copy_(x)
+    assert not gl._tma_ok(xs, w, n2 // 2)
+    assert _rel(gl.geglu_linear(xs, w, b, cfg), ref) <= max(
+        1.25 * _rel(gl.reference(x, w, b), ref), 1e-4
+    )
+
+
+@pytest.mark.cuda
+def test_on_the_gpu_the_descriptor_kernel_replays_in_a_cuda_graph_with_new_inputs():
+    if not _gpu_ready() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("no Triton or a GPU older than compute capability 9.0")
+    cfg = gl.Config(128, 128, 64, 8, 3, 8, True)
+    x, w, b = _inputs(2048, 5120, 640, torch.float16, "cuda")
+    gl.geglu_linear(x, w, b, cfg)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = gl.geglu_linear(x, w, b, cfg)
+    x2, _, _ = _inputs(2048, 5120, 640, torch.float16, "cuda", seed=9)
+    x.copy_(x2)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gl.geglu_linear(x2, w, b, cfg))
