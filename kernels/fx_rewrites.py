@@ -11,18 +11,19 @@ own code for the same GroupNorm (``pays``), unless built with ``force=True`` (th
 run the op's PyTorch path on the CPU). A GroupNorm the kernel cannot take (another layout,
 affine parameters in another dtype, too many channels) is left to inductor.
 
-Off unless ``CNA_COMPILE_GROUP_NORM=1``: in a whole step it has not beaten inductor's code. At
-SDXL 1024² with one ControlNet, where the GroupNorms are the sizes the kernel is 1.6–2.5× faster
-at alone, compiled mode measured 0.3 ms/step slower with it (docs/benchmarks.md, *GroupNorm on
-the pack's channels-last kernel*).
+Off unless ``CNA_COMPILE_GROUP_NORM=1``: it has not beaten inductor's code. At SDXL 1024² with
+one ControlNet compiled mode measured 0.3 ms/step slower with it, and alone the kernel is slower
+than inductor's code compiled with static shapes, as compiled mode compiles it, at the sizes
+``pays`` takes (docs/benchmarks.md, *GroupNorm on channels-last activations*).
 
 ``GegluRewrite``: a feed-forward projection followed by its GEGLU (``F.linear`` → ``chunk(2,
 -1)`` → ``value * F.gelu(gate)``, as ComfyUI's ``GEGLU`` writes it) becomes one call of
 ``cna::geglu_linear``, a matrix multiply that applies the GEGLU before storing
 (``geglu_linear.py``), so the projection's full-width result is never written. Off unless
-``CNA_COMPILE_GEGLU=1``: alone, the kernel is faster than inductor's GEMM + GEGLU at every SD1.5
-and SDXL shape measured, but in a whole compiled step it has not paid (SDXL 1024² with one
-ControlNet ran 0.7 ms/step slower with it; docs/benchmarks.md, *GEGLU in the feed-forward
+``CNA_COMPILE_GEGLU=1``: alone, the kernel is faster than inductor's GEMM + GEGLU at the UNet's
+first level and slower at the deeper ones, where its matrix multiply's lower speed than cuBLAS's
+costs more than the GEGLU's pass it saves; a whole compiled step at SDXL 1024² with one
+ControlNet ran 0.7 ms/step slower with it (docs/benchmarks.md, *GEGLU in the feed-forward
 projection*).
 
 Plain PyTorch; no ComfyUI import.
@@ -69,11 +70,11 @@ def enabled() -> bool:
 
 
 def pays(shape) -> bool:
-    """Whether the kernel beats inductor's own GroupNorm(+SiLU) at this (B, C, H, W), from the
-    kernel microbenchmark on an H200 (fp16, batch 2; docs/benchmarks.md, *GroupNorm on
-    channels-last activations*): at least 1.2× faster at 32×32 and larger with 640 channels or
-    more, and at 320×128×128; slower at 320×64×64 (inductor's best case) and even at 16×16 and
-    below, where each of the kernel's three launches costs more than the data."""
+    """The (B, C, H, W) the opt-in rewrite takes: 32×32 and larger with 640 channels or more,
+    and 320×128×128, where a kernel microbenchmark whose inductor code was compiled with dynamic
+    shapes had the kernel at least 1.2× faster. Against static code, as compiled mode compiles,
+    it is slower at these sizes too (docs/benchmarks.md, *GroupNorm on channels-last
+    activations*); the rewrite is off by default."""
     _, c, h, w = shape
     return h * w >= 1024 and (c >= 640 or c * h * w >= 4 * 2**20)
 
