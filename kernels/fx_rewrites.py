@@ -176,12 +176,22 @@ def _is_call(node, targets) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def geglu_pays(tokens: int) -> bool:
+    """Whether the kernel beats inductor's GEMM + GEGLU for a projection of this many tokens
+    (batch included), from the kernel microbenchmark on an H100 against inductor's static code
+    (docs/benchmarks.md, *GEGLU in the feed-forward projection*): 1.07–1.28× faster at 8,192
+    tokens and more (the UNet's first level: SD1.5 512² and SDXL 1024² at batch 2), 0.84–1.01×
+    at 2,048 and fewer, where cuBLAS's faster matrix multiply outweighs the GEGLU's pass."""
+    return tokens >= 8192
+
+
 @dataclass(frozen=True)
 class GegluRewrite:
     """A graph pass: each ``F.linear`` whose only use is ComfyUI's GEGLU (``chunk(2, dim=-1)``,
     then ``value * F.gelu(gate)``, exact GELU) becomes one ``cna::geglu_linear`` call. Applies
-    where the kernel can run (CUDA, Triton, half-precision, the weight's rows contiguous), or
-    everywhere with ``force=True`` (the tests: the op's PyTorch path on the CPU)."""
+    where the kernel can run (CUDA, Triton, half-precision, the weight's rows contiguous) and
+    measured faster (``geglu_pays``), or everywhere with ``force=True`` (the tests: the op's
+    PyTorch path on the CPU)."""
 
     force: bool = False
 
@@ -206,7 +216,7 @@ class GegluRewrite:
             return True
         if not geglu_enabled() or geglu_linear.triton_missing() is not None:
             return False
-        return geglu_linear.problem(x, w, b) is None
+        return geglu_linear.problem(x, w, b) is None and geglu_pays(x.numel() // x.shape[-1])
 
     @staticmethod
     def _pattern(node: torch.fx.Node):

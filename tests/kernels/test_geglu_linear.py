@@ -204,6 +204,14 @@ def test_the_rewrite_takes_comfyuis_geglu_and_nothing_else():
     assert torch.equal(got, ref)  # on the CPU the op is PyTorch's own path
 
 
+def test_the_rewrite_takes_the_token_counts_where_the_kernel_measured_faster():
+    from comfyui_controlnet_accelerator.kernels.fx_rewrites import geglu_pays
+
+    # the UNet's first level at batch 2 (SD1.5 512², SDXL 1024², SD1.5 1024²), not the deeper
+    assert geglu_pays(8192) and geglu_pays(32768)
+    assert not geglu_pays(2048) and not geglu_pays(512) and not geglu_pays(8191)
+
+
 def test_the_rewrite_is_off_where_the_kernel_does_not_serve(monkeypatch):
     """Not forced: on the CPU the graph is left to inductor; under grad mode with trainable
     weights, too. It is opt-in (``CNA_COMPILE_GEGLU=1``)."""
@@ -240,7 +248,7 @@ def test_compiled_with_the_rewrite_matches_eager(device, monkeypatch):
     dtype = torch.float16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
     m = FeedForward(320, 1280).to(device=device, dtype=dtype).eval().requires_grad_(False)
-    x = torch.randn(2, 256, 320, device=device, dtype=dtype)
+    x = torch.randn(2, 4096, 320, device=device, dtype=dtype)  # 8,192 tokens: where it pays
     rewrite = GegluRewrite(force=device != "cuda")
     if device == "cuda":  # opt-in: as compiled mode runs it under CNA_COMPILE_GEGLU=1
         monkeypatch.setenv(GEGLU_ENV, "1")
