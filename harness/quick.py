@@ -1142,6 +1142,13 @@ def _quick_arguments(ap) -> None:
         action="store_true",
         help="keep PyTorch's native allocator instead of ComfyUI's cudaMallocAsync default",
     )
+    ap.add_argument(
+        "--free-vram",
+        type=float,
+        metavar="GIB",
+        help="leave only this many GiB of the GPU free for the run, as on a smaller card (a "
+        "helper process holds the rest; the card's total still reads as its own)",
+    )
 
 
 def show_pack_log() -> None:
@@ -1168,6 +1175,17 @@ def main(argv: list[str] | None = None) -> int:
 
     from . import comfy_host  # torch-free: the allocator is chosen before torch is imported
 
+    held = contextlib.ExitStack()  # the --free-vram helper, started before ComfyUI looks
+    hold = None
+    if a.free_vram is not None:
+        if a.cpu:
+            ap.error("--free-vram needs a GPU")
+        from .vram_hold import Hold
+
+        try:
+            hold = held.enter_context(Hold(a.free_vram))
+        except (ValueError, RuntimeError) as e:
+            ap.error(str(e))
     models_dir = a.models_dir or comfy_host.default_models_dir()
     host = comfy_host.bootstrap(
         cpu=True if a.cpu else None, models_dir=models_dir, cuda_malloc=not a.native_allocator
@@ -1207,6 +1225,14 @@ def main(argv: list[str] | None = None) -> int:
     per_wl += len(peer_modes) * (1 + a.rounds + int(profile))
     prog = Progress(per_wl * len(wids))
     env = environment()
+    if hold is not None:
+        import torch
+
+        env["free_vram"] = {
+            "asked_gib": a.free_vram,
+            "free_mib": torch.cuda.mem_get_info()[0] // 2**20,
+            "held_mib": hold.held_mib,
+        }
     prog.note(
         f"ComfyUI {env.get('comfyui')} at {host.root}; torch {env['torch']}; "
         f"{env.get('gpu', 'CPU')}; allocator {env['allocator']}"
@@ -1220,6 +1246,11 @@ def main(argv: list[str] | None = None) -> int:
         a.rounds,
         defaults=not a.workloads,
     )
+    if hold is not None:
+        ran += (
+            f" Free GPU memory held to {env['free_vram']['free_mib']} MiB at the start "
+            f"({hold.held_mib} MiB held by a helper process, counted in the driver's used memory)."
+        )
     prog.note(ran)
     out = a.out
     out.mkdir(parents=True, exist_ok=True)
@@ -1251,6 +1282,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         (out / f"quick-{stamp}.json").write_text(json.dumps(partial, indent=1))
     prog.close()
+    held.close()
     text = ran + "\n\n" + table(rows, wl_info) + cold_table(rows, wl_info)
     if a.compile_phases:
         text += phases_text(rows)
