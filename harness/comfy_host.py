@@ -259,10 +259,16 @@ def _load_aimdo(args) -> None:
         import comfy_aimdo.control
 
         headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024**3)
+        # memory pressure read through NVML (every process's use of the card), unless
+        # --disable-nvml-pressure, as main.py asks; older comfy-aimdo takes fewer arguments
+        nvml = not getattr(args, "disable_nvml_pressure", False)
         try:
-            comfy_aimdo.control.init(simple_vram_headroom=headroom)
-        except TypeError:  # older comfy-aimdo
-            comfy_aimdo.control.init()
+            comfy_aimdo.control.init(simple_vram_headroom=headroom, nvml_pressure=nvml)
+        except TypeError:
+            try:
+                comfy_aimdo.control.init(simple_vram_headroom=headroom)
+            except TypeError:
+                comfy_aimdo.control.init()
     except Exception as e:  # _enable_dynamic_vram then reports the legacy fallback
         logging.getLogger(__name__).debug("comfy-aimdo not loaded (%s)", e)
 

@@ -452,3 +452,23 @@ def test_a_dynamic_vram_model_passes_through_the_cuda_graph_node_untouched(
     badge = status.LAST["cg-dyn"]
     assert badge["kind"] == "cuda_graph" and "DynamicVRAM" in badge["lines"][0]
     assert badge["data"]["passed_through"].startswith(compat.DYNAMIC_PASS_THROUGH)
+
+
+@pytest.mark.parametrize("disabled", [False, True])
+def test_the_harness_starts_dynamic_vram_reading_pressure_as_main_py_does(
+    host, monkeypatch, disabled
+):
+    """0.33's main.py starts comfy-aimdo with ``nvml_pressure`` (every process's use of the card)
+    unless --disable-nvml-pressure; the harness must ask the same, or a card shared with another
+    process behaves unlike the user's."""
+    import comfy.cli_args as cli
+
+    control = pytest.importorskip("comfy_aimdo.control")
+    from comfyui_controlnet_accelerator.harness import comfy_host
+
+    calls = []
+    monkeypatch.setattr(cli, "enables_dynamic_vram", lambda: True, raising=False)
+    monkeypatch.setattr(control, "init", lambda **kw: calls.append(kw) or True)
+    args = type("Args", (), {"reserve_vram": 1.5, "disable_nvml_pressure": disabled})()
+    comfy_host._load_aimdo(args)
+    assert calls == [{"simple_vram_headroom": int(1.5 * 1024**3), "nvml_pressure": not disabled}]
