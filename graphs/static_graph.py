@@ -338,6 +338,12 @@ class GraphCache:
         cur.wait_stream(side)
         torch.cuda.synchronize()
         gc.collect()
+        # The warm-up's temporaries went back to the ordinary pool's cache, where the graph's
+        # own pool cannot reuse them: the capture needs the same memory again. On a card with
+        # little free memory (a 16 GB card under DynamicVRAM, with the classic copies loaded)
+        # that second helping is not there, and an allocation that fails inside the capture
+        # invalidates it. Handing the cache back first lets the graph's pool take it.
+        torch.cuda.empty_cache()
         if not self.async_allocator:
             _clear_cublas_workspaces()
         graph = graph_if.PooledGraph(self._pool)  # IF nodes recorded in it need the pool

@@ -335,3 +335,50 @@ def test_dropping_graphs_that_never_replayed(allocator):
         assert not cache.entries
         return
     _assert_child_passes("test_dropping_graphs_that_never_replayed", allocator, _EVICT_CHILD)
+
+
+_FITS_CHILD = "CNA_FITS_CHILD"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.skipif(
+    os.environ.get("CNA_ALLOCATOR_CHILD") == "1", reason="the allocator runs do not nest this"
+)
+@pytest.mark.parametrize("allocator", ["native"])
+def test_cuda_capture_fits_where_the_warm_up_left_its_memory_cached(allocator):
+    """The warm-up's temporaries end in the ordinary pool's cache and the graph's pool needs as
+    much again. With room for one helping only (as on a small card), the capture must still
+    fit: the cache is handed back before it begins. In a child process: a capture that failed
+    earlier in the same process (another test's, on purpose) can leave PyTorch's allocator
+    unable to hand cached blocks back. Native allocator only: the memory fraction limits it."""
+    if os.environ.get(_FITS_CHILD) != "1":
+        _assert_child_passes(
+            "test_cuda_capture_fits_where_the_warm_up_left_its_memory_cached",
+            allocator,
+            _FITS_CHILD,
+        )
+        return
+    cache = GraphCache("t", backend="cuda")
+    big = 256 * 2**20  # floats: 1 GiB of temporaries per call
+
+    def fn(x):
+        t = torch.ones(big, device=x.device)
+        return x + t[:4].sum()
+
+    x = torch.zeros(4, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info()
+    room = torch.cuda.memory_reserved() + int(1.5 * 2**30)  # one helping, not two
+    torch.cuda.set_per_process_memory_fraction(room / total)
+    try:
+        out = cache.run("k", fn, [x])
+        assert "k" not in cache.failed, cache.failed.get("k")
+        assert cache.lookup("k") is not None
+        assert torch.equal(out, x + 4)
+        assert torch.equal(cache.run("k", fn, [x + 1]), x + 5)  # replays
+    finally:
+        cache.clear()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
