@@ -55,6 +55,7 @@ from .graph_state import (  # noqa: F401  (_STATES, graph_stats: tests and tools
     existing_state,
     graph_stats,
     release_after_oom,
+    release_for_memory,
     state_for,
 )
 from .step_plan import CACHE_FILL, FIRST_STEP, Plan, chain_of
@@ -130,6 +131,10 @@ class CudaGraphPatch:
             classic_controls(
                 getattr(guider, "conds", None), state_for(model, self.options.max_graphs, device)
             )
+        st = existing_state(model)
+        if st is not None and st.cache.entries:
+            with st.lock:
+                st.release_moved(_run_networks(model, getattr(guider, "conds", None)))
         t0 = time.perf_counter()
         run.timing = [] if run.node_id is not None and torch.cuda.is_available() else None
         if run.timing is not None:
@@ -317,7 +322,16 @@ class CudaGraphPatch:
             t0 = time.perf_counter()
             try:
                 ctrl = call.resolve() if call is not None else control
-                return executor(x, t, c_concat, c_crossattn, ctrl, transformer_options, **kwargs)
+                args = (x, t, c_concat, c_crossattn, ctrl, transformer_options)
+                try:
+                    return executor(*args, **kwargs)
+                except Exception as e:
+                    # Our graphs' memory pools are invisible to ComfyUI's memory manager: where
+                    # the step ran out beside them, they go and the step runs once more.
+                    if not is_out_of_memory(e) or not release_for_memory(str(e)):
+                        raise
+                    del e
+                return executor(*args, **kwargs)
             finally:
                 run.model_s += time.perf_counter() - t0
 
@@ -823,6 +837,17 @@ def _classic_chain(control, made: dict, st):
             made[id(cn)] = got
         prev = got
     return prev
+
+
+def _run_networks(model, conds) -> list:
+    """The networks a run's graphs read weights of: the diffusion model and every ControlNet
+    network in the run's conditioning."""
+    nets = [getattr(model, "diffusion_model", None)]
+    for entries in (conds or {}).values() if isinstance(conds, dict) else ():
+        for entry in entries if isinstance(entries, list) else ():
+            control = entry.get("control") if isinstance(entry, dict) else None
+            nets.extend(getattr(cn, "control_model", None) for cn in chain_of(control))
+    return [n for n in dict.fromkeys(nets) if isinstance(n, torch.nn.Module)]
 
 
 def _on_detach(patcher, unpatch_all=True) -> None:

@@ -35,7 +35,9 @@ class ModelGraphState:
         self.run_id = 0
         self.fp_run: dict[int, tuple[int, Hashable]] = {}  # id(module) -> (run_id, fingerprint)
         self.eager_reasons: set[str] = set()
-        self.lock = threading.Lock()
+        # Reentrant: a step that runs out of memory under it releases every model's graphs,
+        # this one's included (release_for_memory).
+        self.lock = threading.RLock()
         # model calls replayed / captured / run eager, captures that failed, graphs released
         self.stats = dict.fromkeys(COUNTERS, 0)
         self._side = None
@@ -120,7 +122,7 @@ class ModelGraphState:
         got = self.fp_run.get(id(module))
         if got is not None and got[0] == self.run_id:
             return got[1]
-        fp = hash(tuple((p.data_ptr(), p.dtype, p.device) for p in module.parameters()))
+        fp = _addresses(module)
         self.fp_run[id(module)] = (self.run_id, fp)
         return fp
 
@@ -130,6 +132,28 @@ class ModelGraphState:
             self.cache.evict(lambda e: True, reason)
             self.stats["released"] += n
         return n
+
+    def release_moved(self, modules) -> int:
+        """Drop the graphs that read weights of ``modules`` at addresses those no longer have
+        (ComfyUI unloaded them partly or wholly since, to make room for another model). Called
+        as a run starts, before ComfyUI loads its models: the graphs would be dropped at their
+        next lookup anyway, and until then their memory pool, which ComfyUI's memory manager
+        cannot see, would stand in the way of the load and of the first (eager) step."""
+        if not self.cache.entries:
+            return 0
+        now = {id(m): _addresses(m) for m in modules if m is not None}
+
+        def moved(e) -> bool:
+            deps = e.extras.get("deps") or {}
+            return any(k in now and v != now[k] for k, v in deps.items())
+
+        n = self.cache.evict(moved, "model or ControlNet weights moved since the last run")
+        self.stats["released"] += n
+        return n
+
+
+def _addresses(module: torch.nn.Module) -> Hashable:
+    return hash(tuple((p.data_ptr(), p.dtype, p.device) for p in module.parameters()))
 
 
 _STATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -189,6 +213,28 @@ def release_after_oom(cache: GraphCache, reason: str) -> None:
         logger.debug("CUDA Graph: soft_empty_cache unavailable (%s)", e)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def release_for_memory(reason: str) -> int:
+    """A step ran out of memory: drop every graph the pack holds, for every model, and hand
+    the cached blocks back. Their memory pools are the one part of the GPU's memory that
+    ComfyUI's memory manager cannot see, so they go first; the caller then runs the step again.
+    Returns how many graphs were dropped (0: nothing of ours to give back)."""
+    n = 0
+    for st in list(_STATES.values()):
+        with st.lock:
+            n += st.release_all(f"out of memory in a step ({status.short(reason, 120)})")
+    if n:
+        gc.collect()
+        try:
+            import comfy.model_management as mm
+
+            mm.soft_empty_cache()
+        except Exception as e:  # without ComfyUI (tools): torch's own cache release
+            logger.debug("CUDA Graph: soft_empty_cache unavailable (%s)", e)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return n
 
 
 class GraphRun:

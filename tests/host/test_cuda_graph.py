@@ -274,6 +274,39 @@ def test_models_unloaded_and_reloaded_between_runs(host, tiny_models):
     _same(host, stock, graph)
 
 
+def test_graphs_on_weights_moved_between_runs_are_dropped_as_the_next_run_starts(
+    host, tiny_models, caplog
+):
+    """ComfyUI moved weights between runs without unloading the model (a partial unload to make
+    room for another model, then the reload): the graphs that read them are dropped as the next
+    run starts, before ComfyUI loads its models, so their memory pool does not stand in the way
+    of the load and the first step; the run captures anew and matches stock."""
+    cg = _cg(host)
+    r = runner.Runner()
+    wl = wf.WORKLOADS["T1"].with_(steps=5)
+    _run(r, wl, 2, GRAPH)
+    ((base, st),) = [(b, s) for b, s in cg._STATES.items() if s.cache.entries]
+    p0 = next(base.diffusion_model.parameters())
+    with torch.inference_mode(p0.is_inference()):
+        p0.data = p0.data.clone()  # a new address, the same values
+    before = _model(r)
+    with caplog.at_level("INFO", logger="ControlNetAccelerator"):
+        graph, _, _ = _run(r, wl, 3, GRAPH)
+    said = [m.message for m in caplog.records if "dropped" in m.message]
+    assert any("weights moved since the last run" in m for m in said), said
+    assert not any("reloaded or re-patched" in m for m in said), said  # not left to the lookup
+    d = _delta(before, _model(r))
+    assert d["released"] >= 1 and d["captures"] >= 1, d
+    stock, _, _ = _run(r, wl, 3)
+    _same(host, stock, graph)
+    # weights in place: the next run keeps its graphs
+    before = _model(r)
+    again, _, _ = _run(r, wl, 3, GRAPH)
+    d = _delta(before, _model(r))
+    assert d["released"] == 0 and d["captures"] == 0 and d["replays"] >= 1, d
+    _same(host, stock, again)
+
+
 def test_per_step_patches_run_eager_with_reason(host, tiny_models, caplog):
     def freeu_then_graph(p, ids):
         fu = str(max(int(k) for k in p) + 1)

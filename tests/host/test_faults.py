@@ -510,6 +510,54 @@ def test_out_of_memory_in_capture_releases_graphs_and_runs_eager(
         assert badges.graph_counts(again)["captures"] == 1  # after that under cudaMallocAsync
 
 
+def test_out_of_memory_in_a_step_beside_graphs_gives_their_memory_back_and_runs_again(
+    host, tiny_models, monkeypatch, caplog
+):
+    """A step that runs out of memory while graphs of the pack hold memory (their pools, which
+    ComfyUI's memory manager cannot see): the graphs are dropped, the allocator's cache handed
+    back, and the step runs again, so the prompt completes with the stock result instead of
+    failing. With nothing of ours to give back, the error is ComfyUI's as before."""
+    import comfy.ldm.modules.diffusionmodules.openaimodel as oa
+
+    cg = _pack(host).nodes.cuda_graph
+    small, big = T1, T1.with_(width=96, height=80)
+    r = runner.Runner()
+    stock_big = _run(r, big, 5)
+    _run(r, small, 5, GRAPH)  # one graph (small) captured, to be given back
+    assert any(st.cache.entries for st in cg._STATES.values())
+
+    raised = []
+    orig_forward = oa.UNetModel._forward
+
+    def forward(self, x, *a, **k):
+        capturing = any(st.cache.capturing for st in cg._STATES.values())
+        if not raised and not capturing:  # the run's first step, eager
+            raised.append(1)
+            raise OOM("CUDA out of memory. Tried to allocate 40.00 MiB (injected)")
+        return orig_forward(self, x, *a, **k)
+
+    def released() -> int:  # every model's: under DynamicVRAM the graphs are a copy's
+        return sum(st.stats["released"] for st in cg._STATES.values())
+
+    monkeypatch.setattr(oa.UNetModel, "_forward", forward)
+    before = released()
+    with caplog.at_level("INFO", logger="ControlNetAccelerator"):
+        got = _run(r, big, 5, GRAPH)
+    _same(host, stock_big, got)
+    assert raised == [1]
+    assert released() - before >= 1
+    assert any("out of memory in a step" in m.message for m in caplog.records)
+    assert badges.graph_counts(got)["captures"] == 1  # the new signature still captured
+
+    # nothing of ours holds memory now: the same fault is ComfyUI's error, as without the pack
+    for st in cg._STATES.values():
+        st.release_all("test")
+    raised.clear()
+    p, ids = _prompt(big, 6, GRAPH)
+    with pytest.raises(runner.WorkflowFailed, match="out of memory"):
+        r.run(p, ids)
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_out_of_memory_in_the_feature_cache_runs_uncached(
     host, tiny_models, monkeypatch, caplog, graph
