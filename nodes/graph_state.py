@@ -204,15 +204,7 @@ def release_after_oom(cache: GraphCache, reason: str) -> None:
     for st in list(_STATES.values()):  # the state that owns this cache counts the release
         if st.cache is cache:
             st.stats["released"] += n
-    gc.collect()
-    try:
-        import comfy.model_management as mm
-
-        mm.soft_empty_cache()
-    except Exception as e:  # without ComfyUI (tools): torch's own cache release
-        logger.debug("CUDA Graph: soft_empty_cache unavailable (%s)", e)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    _hand_back_cache()
 
 
 def release_for_memory(reason: str) -> int:
@@ -225,16 +217,22 @@ def release_for_memory(reason: str) -> int:
         with st.lock:
             n += st.release_all(f"out of memory in a step ({status.short(reason, 120)})")
     if n:
-        gc.collect()
-        try:
-            import comfy.model_management as mm
-
-            mm.soft_empty_cache()
-        except Exception as e:  # without ComfyUI (tools): torch's own cache release
-            logger.debug("CUDA Graph: soft_empty_cache unavailable (%s)", e)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        _hand_back_cache()
     return n
+
+
+def _hand_back_cache() -> None:
+    """Collect what dropped graphs leave unreachable and give the allocator's cached blocks
+    back to the driver, through ComfyUI as it does it."""
+    gc.collect()
+    try:
+        import comfy.model_management as mm
+
+        mm.soft_empty_cache()
+    except Exception as e:  # without ComfyUI (tools): torch's own cache release
+        logger.debug("CUDA Graph: soft_empty_cache unavailable (%s)", e)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class GraphRun:
