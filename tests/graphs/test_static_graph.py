@@ -234,15 +234,26 @@ def test_after_a_failed_capture_under_cuda_malloc_async_no_capture_is_tried(monk
     assert "cudaMallocAsync" in cache.failed["b"] and "b" not in cache.entries
 
 
+def _child_case(*allocators: str):
+    """The marks of a CUDA case that runs in a child process under each of ``allocators``
+    (``_assert_child_passes``); the allocator runs of this file do not nest it."""
+
+    def mark(fn):
+        fn = pytest.mark.parametrize("allocator", list(allocators))(fn)
+        fn = pytest.mark.skipif(
+            os.environ.get("CNA_ALLOCATOR_CHILD") == "1",
+            reason="the allocator runs do not nest this",
+        )(fn)
+        fn = pytest.mark.skipif(not CUDA, reason="no CUDA device")(fn)
+        return pytest.mark.cuda(fn)
+
+    return mark
+
+
 _CUBLAS_CHILD = "CNA_CUBLAS_CHILD"
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="no CUDA device")
-@pytest.mark.skipif(
-    os.environ.get("CNA_ALLOCATOR_CHILD") == "1", reason="the allocator runs do not nest this"
-)
-@pytest.mark.parametrize("allocator", ["native"])
+@_child_case("native")
 def test_graph_survives_cublas_workspaces_cleared_by_someone_else(allocator):
     """torch.compile's CUDA graphs (ComfyUI's TorchCompileModel, backend "cudagraphs") clear
     every cached cuBLAS workspace; ComfyUI then empties the cache. A graph of ours that baked in
@@ -301,12 +312,7 @@ def _assert_child_passes(test: str, allocator: str, child_flag: str) -> None:
 _EVICT_CHILD = "CNA_EVICT_CHILD"
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="no CUDA device")
-@pytest.mark.skipif(
-    os.environ.get("CNA_ALLOCATOR_CHILD") == "1", reason="the allocator runs do not nest this"
-)
-@pytest.mark.parametrize("allocator", ["cudaMallocAsync", "native"])
+@_child_case("cudaMallocAsync", "native")
 def test_dropping_graphs_that_never_replayed(allocator):
     """A signature that runs one step only (the last steps after a ControlNet's end_percent) is
     captured and never replayed; the LRU later drops it. Under cudaMallocAsync its output exists
@@ -340,12 +346,7 @@ def test_dropping_graphs_that_never_replayed(allocator):
 _FITS_CHILD = "CNA_FITS_CHILD"
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="no CUDA device")
-@pytest.mark.skipif(
-    os.environ.get("CNA_ALLOCATOR_CHILD") == "1", reason="the allocator runs do not nest this"
-)
-@pytest.mark.parametrize("allocator", ["native"])
+@_child_case("native")
 def test_cuda_capture_fits_where_the_warm_up_left_its_memory_cached(allocator):
     """The warm-up's temporaries end in the ordinary pool's cache and the graph's pool needs as
     much again. With room for one helping only (as on a small card), the capture must still
