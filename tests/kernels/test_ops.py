@@ -433,6 +433,17 @@ def test_changed_kernel_sources_are_not_used_by_default(monkeypatch):
         registry.refresh_mode()
 
 
+def test_shipped_kernel_sources_are_the_validated_ones(monkeypatch):
+    """The pack ships the kernel sources its GPU tests last passed on; otherwise the automatic
+    choice quietly runs every op on PyTorch's path for every user."""
+    monkeypatch.setattr(_jit, "_sources_hash", None)  # hash the files on disk now
+    assert _jit.sources_hash() == registry.VALIDATED_SOURCES, (
+        "the CUDA kernel sources changed since their GPU tests last passed: run "
+        "`CNA_KERNELS=cuda python -m pytest -m cuda tests/kernels` on a GPU, then set "
+        f"kernels/registry.py's VALIDATED_SOURCES to {_jit.sources_hash()!r}"
+    )
+
+
 @pytest.mark.parametrize(
     "setup, reason",
     [

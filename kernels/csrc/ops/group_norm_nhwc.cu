@@ -17,12 +17,10 @@
 //    when asked; fp32 math, one rounding.
 // The output has x's layout (channels-last). Accumulation is fp32, as PyTorch's GroupNorm.
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -253,8 +251,8 @@ void launch_apply(const T* xp, T* yp, const float* chan, const T* bp, int64_t n,
 }
 
 template <typename T, int V>
-void run_nhwc(const at::Tensor& x, at::Tensor& y, const at::Tensor& weight,
-              const at::Tensor& bias, int G, double eps, bool silu, cudaStream_t stream) {
+void run_nhwc(const torch::Tensor& x, torch::Tensor& y, const torch::Tensor& weight,
+              const torch::Tensor& bias, int G, double eps, bool silu, cudaStream_t stream) {
   const int64_t B = x.size(0);
   const int C = static_cast<int>(x.size(1));
   const int64_t P = x.numel() / (B * C);
@@ -267,9 +265,9 @@ void run_nhwc(const at::Tensor& x, at::Tensor& y, const at::Tensor& weight,
   S = std::max<int64_t>(1, std::min<int64_t>({S, kNhwcMaxChunks, (P + ry - 1) / ry}));
   const int64_t chunk = (P + S - 1) / S;
   S = (P + chunk - 1) / chunk;
-  auto opts = x.options().dtype(at::kFloat);
-  auto partial = at::empty({B, S, G, 3}, opts);
-  auto chan = at::empty({B, C, 2}, opts);
+  auto opts = x.options().dtype(torch::kFloat);
+  auto partial = torch::empty({B, S, G, 3}, opts);
+  auto chan = torch::empty({B, C, 2}, opts);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   T* yp = reinterpret_cast<T*>(y.data_ptr());
   const T* wp = reinterpret_cast<const T*>(weight.data_ptr());
@@ -293,8 +291,8 @@ void run_nhwc(const at::Tensor& x, at::Tensor& y, const at::Tensor& weight,
 
 }  // namespace
 
-at::Tensor group_norm_nhwc(const at::Tensor& x, const at::Tensor& weight,
-                              const at::Tensor& bias, int64_t groups, double eps, bool silu) {
+torch::Tensor group_norm_nhwc(const torch::Tensor& x, const torch::Tensor& weight,
+                              const torch::Tensor& bias, int64_t groups, double eps, bool silu) {
   TORCH_CHECK(x.is_cuda() && x.dim() == 4 && x.is_contiguous(at::MemoryFormat::ChannelsLast),
               "group_norm_nhwc: x must be a channels-last CUDA tensor (B, C, H, W)");
   const int64_t C = x.size(1);
@@ -305,7 +303,7 @@ at::Tensor group_norm_nhwc(const at::Tensor& x, const at::Tensor& weight,
                   bias.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   bias.is_contiguous(),
               "group_norm_nhwc: weight and bias must be contiguous (C,) CUDA tensors of x's dtype");
-  auto y = at::empty_like(x, at::MemoryFormat::ChannelsLast);
+  auto y = torch::empty_like(x, at::MemoryFormat::ChannelsLast);
   if (x.numel() == 0) return y;
   const c10::cuda::CUDAGuard guard(x.device());
   auto stream = c10::cuda::getCurrentCUDAStream();
