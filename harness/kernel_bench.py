@@ -156,9 +156,6 @@ def cases(kernels, reps: int, dev: str = "cuda", only: str | None = None, tiles=
     if only == "int8_linear":
         yield from _int8_linear_cases(kernels, reps, dev, tiles)
         return
-    if only == "group_norm_nhwc":
-        yield from _group_norm_nhwc_cases(kernels, reps, dev)
-        return
     if only == "fp8_linear":
         yield from _fp8_linear_cases(reps, dev)
         return
@@ -334,44 +331,6 @@ def cases(kernels, reps: int, dev: str = "cuda", only: str | None = None, tiles=
             del x
 
     yield from _int8_linear_cases(kernels, reps, dev, tiles)
-
-
-# (B, C, H, W) GroupNorm inputs of compiled mode at batch 2 (CFG): SD1.5 512² and SDXL 1024²
-# levels, and the up blocks' concatenated widths.
-NHWC_GN = [
-    ("sd15", (2, 320, 64, 64)), ("sd15", (2, 640, 32, 32)), ("sd15", (2, 1280, 16, 16)),
-    ("sd15", (2, 1280, 8, 8)), ("sdxl", (2, 640, 64, 64)), ("sdxl", (2, 1280, 32, 32)),
-    ("sdxl", (2, 2560, 32, 32)), ("sdxl", (2, 960, 64, 64)), ("sdxl", (2, 320, 128, 128)),
-]  # fmt: skip
-
-
-def _group_norm_nhwc_cases(kernels, reps, dev):
-    # e. GroupNorm(32) + SiLU on channels-last activations, as compiled mode runs it: the
-    # pack's kernel against inductor's code for the same function (the path it replaces
-    # there), with eager PyTorch alongside (``eager_graph_us``).
-    dt_ = torch.float16
-    g = torch.Generator(device=dev).manual_seed(2)
-    ind = _inductor(lambda x, w, b: F.silu(F.group_norm(x, 32, w, b, 1e-5)))
-    for arch, shape in NHWC_GN:
-        x = torch.randn(shape, generator=g, device=dev).to(dt_)
-        x = x.contiguous(memory_format=torch.channels_last)
-        w = (torch.rand(shape[1], generator=g, device=dev) + 0.5).to(dt_)
-        b = torch.randn(shape[1], generator=g, device=dev).to(dt_)
-        ref = F.silu(F.group_norm(x.float(), 32, w.float(), b.float(), 1e-5))
-        err = _rel(kernels.group_norm_nhwc(x, w, b, 32, 1e-5, True), ref.to(dt_))
-        eager = lambda x=x, w=w, b=b: F.silu(F.group_norm(x, 32, w, b, 1e-5))  # noqa: E731
-        yield _row(
-            f"group_norm_nhwc {shape[1]}x{shape[2]}² vs inductor",
-            arch,
-            1,
-            3 * _nbytes([x]),
-            err,
-            lambda x=x, w=w, b=b: ind(x, w, b),
-            lambda x=x, w=w, b=b: kernels.group_norm_nhwc(x, w, b, 32, 1e-5, True),
-            reps,
-            eager_graph_us=_time(eager, 20, reps, True),
-        )
-        del x
 
 
 _E4M3 = getattr(torch, "float8_e4m3fn", None)
@@ -602,12 +561,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=15, help="timed repeats per case (default 15)")
     ap.add_argument(
         "--only",
-        choices=["int8_linear", "group_norm_nhwc", "fp8_linear", "geglu_linear"],
+        choices=["int8_linear", "fp8_linear", "geglu_linear"],
         default=None,
-        help="run only these cases (group_norm_nhwc: against inductor's GroupNorm, the path it "
-        "replaces in compiled mode; fp8_linear: e4m3 matrix multiplies, row-wise and "
+        help="run only these cases (fp8_linear: e4m3 matrix multiplies, row-wise and "
         "tensor-wise scales, against fp16, for an FP8 mode; geglu_linear: the feed-forward "
-        "projection with GEGLU in its epilogue, against inductor's GEMM + GEGLU; these three "
+        "projection with GEGLU in its epilogue, against inductor's GEMM + GEGLU; these two "
         "only with this option)",
     )
     ap.add_argument(

@@ -250,15 +250,10 @@ VARIANTS["graph_compiled_autotune"] = _insert_model_node(
 # Environment settings a variant runs under (set for each of its runs, put back after): a switch
 # that is on by default, compared with it off side by side in one process.
 VARIANT_ENV: dict[str, dict[str, str]] = {}
-# Compiled mode with the pack's channels-last GroupNorm kernel where it pays (opt-in; off, every
-# GroupNorm is inductor's code). max_graphs 23, not 24: an input must differ from
-# graph_compiled's, or ComfyUI would answer the prompt from its output cache without sampling.
-VARIANTS["graph_compiled_gn_kernel"] = _insert_model_node(
-    "CNA_CUDAGraph", enabled=True, max_graphs=23, verify=False, compile="inductor"
-)
-VARIANT_ENV["graph_compiled_gn_kernel"] = {"CNA_COMPILE_GROUP_NORM": "1"}
 # Compiled mode with each feed-forward projection and its GEGLU as one matrix multiply of the
-# pack's (CNA_COMPILE_GEGLU=1, opt-in; off, every GEGLU is inductor's). max_graphs 13, as below.
+# pack's (CNA_COMPILE_GEGLU=1, opt-in; off, every GEGLU is inductor's). max_graphs 13, not 24: an
+# input must differ from graph_compiled's, or ComfyUI would answer the prompt from its output
+# cache without sampling.
 VARIANTS["graph_compiled_geglu_kernel"] = _insert_model_node(
     "CNA_CUDAGraph", enabled=True, max_graphs=13, verify=False, compile="inductor"
 )

@@ -39,10 +39,6 @@ CONSTRAINTS: dict[str, dict[str, dict]] = {
         "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT,)},
         "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
     },
-    "group_norm_nhwc": {
-        "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT,)},
-        "eager": {"devices": ("cuda", "cpu", "mps", "xpu"), "dtypes": None},
-    },
     # A Triton kernel (int8_matmul.py), served with the CUDA backend.
     "int8_linear": {
         "cuda": {"devices": ("cuda",), "dtypes": (*_FLOAT, torch.int8)},
@@ -71,10 +67,6 @@ CUDA_LIMITS: dict[str, dict] = {
     # group_norm_silu.cu: grid x = B * groups, C divisible by groups, weight and bias (C,) in
     # x's dtype; the statistics pass splits a group into at most 64 chunks (kMaxChunks).
     "group_norm_silu": {"min_dim": 2, "max_groups_total": _GRID_X, "max_chunks": 64},
-    # group_norm_nhwc.cu: channels-last (B, C, H, W), C divisible by groups; C / V at most
-    # kNhwcMaxChannelVectors, V = 16 bytes of x's dtype when C, x, weight and bias allow 16-byte
-    # vectors, else 1; grid y = B.
-    "group_norm_nhwc": {"max_channel_vectors": 384, "max_batch": 65535},
     # int8_matmul.py (Triton): fp16/bf16 input with K a multiple of 16, q a contiguous 2-D
     # int8 weight, scale float32 (one per row), bias in x's dtype, one device, sm_80 or newer.
     "int8_linear": {"k_multiple": 16},
@@ -93,7 +85,7 @@ def uniform(tensors: list[torch.Tensor]) -> str | None:
 
 
 def _affine_problem(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> str | None:
-    """Why GroupNorm's weight and bias do not suit the kernels: x's dtype and device, one value
+    """Why GroupNorm's weight and bias do not suit the kernel: x's dtype and device, one value
     per channel."""
     if w.dtype != x.dtype or b.dtype != x.dtype:
         return f"weight/bias {w.dtype}/{b.dtype} differ from x's {x.dtype}"
@@ -112,8 +104,7 @@ def cuda_launch_problem(op: str, **a) -> str | None:
     in-place form, else None), strengths; the nets and slots counts here are those of ONE launch.
     ``quantize_int8``: x. ``dequant_add``: hidden, q, scale, strength.
     ``dequant_rows``: q, scale, out. ``dequant_rows_multi``: qs, scales, out (the flat output).
-    ``group_norm_silu``, ``group_norm_nhwc``: x, weight, bias,
-    groups.
+    ``group_norm_silu``: x, weight, bias, groups.
     ``int8_linear``: x, q, scale, bias.
     """
     lim = CUDA_LIMITS[op]
@@ -189,24 +180,6 @@ def cuda_launch_problem(op: str, **a) -> str | None:
         if x.shape[0] * groups > lim["max_groups_total"]:
             return f"{x.shape[0] * groups} groups in all (over the grid limit)"
         return _affine_problem(x, w, b)
-    if op == "group_norm_nhwc":
-        x, w, b, groups = a["x"], a["weight"], a["bias"], a["groups"]
-        if x.dim() != 4 or groups <= 0 or x.shape[1] % groups:
-            return f"x {tuple(x.shape)} with {groups} groups"
-        if not x.is_contiguous(memory_format=torch.channels_last):
-            return "x is not channels-last"
-        if x.shape[0] > lim["max_batch"]:
-            return f"batch {x.shape[0]} (over the grid limit)"
-        why = _affine_problem(x, w, b)
-        if why:
-            return why
-        c = x.shape[1]
-        v = 16 // x.element_size()
-        aligned = all(t.data_ptr() % 16 == 0 for t in (x, w, b) if t.numel())
-        vecs = c // v if c % v == 0 and aligned else c
-        if vecs > lim["max_channel_vectors"]:
-            return f"{c} channels (over the kernel's {lim['max_channel_vectors']} vectors)"
-        return None
     if op == "int8_linear":
         from . import int8_matmul
 

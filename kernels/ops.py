@@ -21,7 +21,6 @@ _OPS = (
     "dequant_add",
     "dequant_rows",
     "group_norm_silu",
-    "group_norm_nhwc",
     "int8_linear",
 )
 for _op in _OPS:
@@ -114,31 +113,6 @@ def _register() -> None:
     def _(x, weight, bias, groups, eps):
         return torch.empty_like(x)
 
-    # GroupNorm (+ SiLU) on a channels-last activation, the layout compiled mode keeps: the
-    # CUDA kernel on a GPU, PyTorch elsewhere; the output is channels-last either way (the fake
-    # says so, and inductor plans its buffers from the fake).
-    @torch.library.custom_op("cna::group_norm_nhwc", mutates_args=())
-    def _group_norm_nhwc_op(
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor,
-        groups: int,
-        eps: float,
-        silu: bool,
-    ) -> torch.Tensor:
-        # Inside compiled code nothing checked this call's tensors before it (the rewrite
-        # checked their shapes when it compiled): check here, and take PyTorch's path rather
-        # than let the kernel refuse (an unaligned view, say) and fail the prompt.
-        if x.is_cuda and _cuda_ok("group_norm_nhwc", x=x, weight=weight, bias=bias, groups=groups):
-            return _jit.module().group_norm_nhwc(x, weight, bias, groups, eps, silu)
-        return eager.group_norm_act(x, weight, bias, groups, eps, silu).contiguous(
-            memory_format=torch.channels_last
-        )
-
-    @_group_norm_nhwc_op.register_fake
-    def _(x, weight, bias, groups, eps, silu):
-        return torch.empty_like(x, memory_format=torch.channels_last)
-
     @torch.library.custom_op("cna::int8_linear", mutates_args=())
     def _int8_linear_op(
         x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
@@ -150,7 +124,7 @@ def _register() -> None:
         return x.new_empty((*x.shape[:-1], q.shape[0]))
 
 
-if not _registered("group_norm_nhwc"):
+if not _registered("int8_linear"):
     _register()
 
 
@@ -399,30 +373,6 @@ def group_norm_silu(
             x.contiguous(), weight.contiguous(), bias.contiguous(), groups, float(eps)
         )
     return eager.group_norm_silu(x, weight, bias, groups, eps)
-
-
-def group_norm_nhwc(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor,
-    groups: int = 32,
-    eps: float = 1e-5,
-    silu: bool = False,
-) -> torch.Tensor:
-    """GroupNorm(x), then SiLU if ``silu``, for a channels-last x (B, C, H, W); weight, bias
-    (C,) in x's dtype. The result is channels-last. On CUDA one pass of statistics over whole
-    pixel rows (``csrc/ops/group_norm_nhwc.cu``); elsewhere, or outside the kernel's limits,
-    PyTorch's GroupNorm."""
-    if x.dim() != 4 or groups <= 0 or x.shape[1] % groups:
-        raise ValueError(f"group_norm_nhwc: x {tuple(x.shape)} needs (B, C, H, W), C % {groups}")
-    x = x.contiguous(memory_format=torch.channels_last)
-    if registry.select("group_norm_nhwc", [x, weight, bias]) == "cuda":  # the op checks limits
-        return _cna().group_norm_nhwc(
-            x, weight.contiguous(), bias.contiguous(), groups, float(eps), bool(silu)
-        )
-    return eager.group_norm_act(x, weight, bias, groups, eps, silu).contiguous(
-        memory_format=torch.channels_last
-    )
 
 
 def int8_linear_expands(device=None) -> bool:

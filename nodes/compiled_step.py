@@ -53,7 +53,7 @@ from ..graphs.compiled import (
 )
 from ..graphs.context_hoist import CompiledProjections
 from ..kernels import attention_choice, fx_rewrites
-from ..kernels.fx_rewrites import GegluRewrite, GroupNormRewrite
+from ..kernels.fx_rewrites import GegluRewrite
 from ..logger import logger
 
 COMPILE_RUN_KEY = "cna.compile_run"  # transformer_options entry: the run's CompileRun
@@ -106,12 +106,11 @@ def context_hoist_on(compiled: bool = False) -> bool:
     return compiled
 
 
-# Rewrites of the traced graphs before inductor (kernels/fx_rewrites.py): GroupNorm(+SiLU) on
-# channels-last activations runs the pack's kernel where that kernel serves, else inductor's code
-# (opt-in, CNA_COMPILE_GROUP_NORM=1); each feed-forward projection with its GEGLU runs as one
-# matrix multiply that applies the GEGLU before storing (opt-in, CNA_COMPILE_GEGLU=1). Neither
-# has paid in a whole step yet; options_for leaves out the ones that are off.
-GRAPH_PASSES = (GroupNormRewrite(), GegluRewrite())
+# The rewrite of the traced graphs before inductor (kernels/fx_rewrites.py): each feed-forward
+# projection with its GEGLU runs as one matrix multiply that applies the GEGLU before storing
+# (opt-in, CNA_COMPILE_GEGLU=1). It has not paid in a whole step yet; options_for leaves it out
+# when it is off.
+GRAPH_PASSES = (GegluRewrite(),)
 # Each attention on the SDPA backend measured fastest for its shapes, the choices kept beside
 # the compile cache (kernels/attention_choice.py). CNA_COMPILE_ATTENTION: by default (auto) for
 # the attentions ComfyUI would run on flash attention first; fastest: every attention; off: none.
@@ -142,9 +141,9 @@ PROGRESS_TOTAL = 1000
 def options_for(choice: str) -> CompileOptions | None:
     """The compile settings for the node's ``compile`` choice (None: off). ``$CNA_COMPILE_BACKEND``
     picks another torch.compile backend for checking a machine (``aot_eager``: dynamo traces,
-    nothing is generated). Unless ``CNA_COMPILE_GROUP_NORM=1`` turns it on, the GroupNorm rewrite
-    is left out of the settings, so code compiled with it is not reused without it (and the
-    other way); ``CNA_COMPILE_GEGLU=1`` puts the GEGLU rewrite in the same way.
+    nothing is generated). Unless ``CNA_COMPILE_GEGLU=1`` turns it on, the GEGLU rewrite is
+    left out of the settings, so code compiled with it is not reused without it (and the other
+    way).
     ``CNA_COMPILE_ATTENTION`` adds the attention-backend choice for its mode (by default for the
     attentions ComfyUI runs on flash attention first) the same way.
     ``CNA_COMPILE_DYNAMIC=1`` compiles with dynamic shapes (one compile for all sizes) instead
@@ -156,9 +155,6 @@ def options_for(choice: str) -> CompileOptions | None:
     base = CHOICES[choice]
     if base is None:
         return None
-    if not fx_rewrites.enabled():
-        passes = tuple(p for p in base.graph_passes if not isinstance(p, GroupNormRewrite))
-        base = dataclasses.replace(base, graph_passes=passes)
     if not fx_rewrites.geglu_enabled():
         passes = tuple(p for p in base.graph_passes if not isinstance(p, GegluRewrite))
         base = dataclasses.replace(base, graph_passes=passes)

@@ -70,19 +70,6 @@ def test_a_model_keeps_two_settings_compiled_and_drops_the_least_recent(monkeypa
     assert cs.model_compile(model, b) is not mb  # dropped, so compiled afresh
 
 
-def test_group_norm_switch_gives_other_settings(monkeypatch):
-    from comfyui_controlnet_accelerator.kernels import fx_rewrites
-
-    monkeypatch.setenv(fx_rewrites.ENV, "1")
-    on = cs.options_for("inductor")
-    assert any(isinstance(p, fx_rewrites.GroupNormRewrite) for p in on.graph_passes)
-    monkeypatch.delenv(fx_rewrites.ENV)  # off unless asked for
-    off = cs.options_for("inductor")
-    assert not any(isinstance(p, fx_rewrites.GroupNormRewrite) for p in off.graph_passes)
-    assert off != on and off.mode == on.mode
-    assert cs.options_for("off") is None
-
-
 def test_geglu_switch_gives_other_settings(monkeypatch):
     from comfyui_controlnet_accelerator.kernels import fx_rewrites
 
@@ -90,9 +77,12 @@ def test_geglu_switch_gives_other_settings(monkeypatch):
     off = cs.options_for("inductor")
     assert not any(isinstance(p, fx_rewrites.GegluRewrite) for p in off.graph_passes)
     monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "1")
-    on = cs.options_for("inductor max-autotune")
+    on = cs.options_for("inductor")
     assert any(isinstance(p, fx_rewrites.GegluRewrite) for p in on.graph_passes)
-    assert cs.options_for("inductor") != off
+    assert off != on and off.mode == on.mode
+    tuned = cs.options_for("inductor max-autotune")
+    assert any(isinstance(p, fx_rewrites.GegluRewrite) for p in tuned.graph_passes)
+    assert cs.options_for("off") is None
 
 
 def test_attention_choice_switch_gives_other_settings(monkeypatch):
@@ -205,12 +195,11 @@ def test_torch_compile_model_is_adopted_and_its_wrapper_left_out_of_the_run(allo
 
 def test_an_adopted_torch_compile_model_gets_the_pack_s_compile_switches(allocator, monkeypatch):
     """The settings of a model from TorchCompileModel start from compiled mode's own, so the
-    environment switches (the attention choice, dynamic shapes, the GroupNorm rewrite) apply to
-    it as to the node's ``compile`` choice; its own mode still wins."""
+    environment switches (the attention choice, dynamic shapes, the GEGLU rewrite) apply to it
+    as to the node's ``compile`` choice; its own mode still wins."""
     from comfyui_controlnet_accelerator.kernels import attention_choice, fx_rewrites
 
     allocator("native")
-    monkeypatch.delenv(fx_rewrites.ENV, raising=False)
     monkeypatch.setenv(fx_rewrites.GEGLU_ENV, "1")
     monkeypatch.delenv(cs.DYNAMIC_ENV, raising=False)
     monkeypatch.setenv(attention_choice.ENV, "fastest")

@@ -16,7 +16,6 @@ NEWER = {
     for v in (
         "graph_compiled",
         "fused+graph_compiled",
-        "graph_compiled_gn_kernel",
         "graph_compiled_geglu_kernel",
         "graph_compiled_geglu_kernel_serial",
         "graph_compiled_dynamic",

@@ -165,37 +165,6 @@ def test_compiled_runs_on_channels_last_weights_and_puts_them_back(
         assert w.is_contiguous() and w.data_ptr() == ptr and float(w.double().sum()) == total
 
 
-def test_group_norms_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
-    host, native, tiny_models, monkeypatch
-):
-    """The GroupNorm rewrite on ComfyUI's own UNet and ControlNet (forced on: on the CPU the
-    CUDA kernel does not serve, and the op runs PyTorch's GroupNorm there): it finds their
-    GroupNorms (ResBlocks' with their SiLU, the transformers' without) in both networks'
-    traced graphs, and the run still matches stock. On a GPU the rule decides as in a
-    user's run, and the tiny models' sizes are below it."""
-    import dataclasses
-
-    pack = sys.modules[host.pack_module_name]
-    step, fx = pack.nodes.compiled_step, pack.kernels.fx_rewrites
-    if host.cpu:
-        monkeypatch.setattr(pack.nodes.channels_last, "DEVICES", ("cuda", "cpu"))
-    seen = []
-
-    @dataclasses.dataclass(frozen=True)
-    class Counting(fx.GroupNormRewrite):
-        def __call__(self, gm):
-            seen.append(self.rewrite(gm))
-            return None
-
-    opts = dataclasses.replace(step.CHOICES["inductor"], graph_passes=(Counting(force=True),))
-    monkeypatch.setitem(step.CHOICES, "inductor", opts)
-    monkeypatch.setenv(fx.ENV, "1")  # the rewrite is opt-in; off, compiled mode leaves it out
-    _compiled_run_matches_stock(host, 21)
-    assert len(seen) >= 2, seen  # the UNet's graph and the ControlNet's
-    with_gn = [done for done, _ in seen if done]
-    assert len(with_gn) >= 2 and all(fused for done, fused in seen if done), seen
-
-
 def test_geglus_of_comfyuis_networks_take_the_pack_kernel_and_match_stock(
     host, native, tiny_models, monkeypatch
 ):
