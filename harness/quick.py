@@ -465,6 +465,12 @@ def run_settings() -> dict:
         if k.startswith("CNA_") and "/" not in v and os.sep not in v
     }
     out["CNA_KERNELS"] = registry.mode()
+    # Whether the extension's ops run on their CUDA kernels by default, and why not: a run whose
+    # kernel sources are not the validated ones measures their PyTorch path.
+    cuda = {b["name"]: b for b in registry.list_backends()}["cuda"]
+    out["cuda_kernels_by_default"] = bool(cuda.get("used_by_default"))
+    if cuda.get("reason") or cuda.get("note"):
+        out["cuda_kernels_note"] = cuda.get("reason") or cuda.get("note")
     return out
 
 

@@ -59,6 +59,11 @@ VALIDATED_TRITON: dict[str, str] = {}
 _MODES = ("auto", "cuda", "eager")
 _mode: str | None = None  # CNA_KERNELS, read once (``refresh_mode`` re-reads it)
 _fallbacks_logged: set[tuple[str, str]] = set()  # bounded: one entry per op and limit reason
+_UNVALIDATED_NOTE = (
+    "the kernel sources differ from those last validated on a GPU; set CNA_KERNELS=cuda to use "
+    "them anyway"
+)
+_unvalidated_logged = False
 
 
 def mode() -> str:
@@ -110,6 +115,21 @@ def _cuda_by_default(op: str | None = None) -> bool:
         except OSError:
             return False
     return _sources_validated() and op not in NOT_YET_VALIDATED
+
+
+def _note_unvalidated(op: str, tensors: list[torch.Tensor]) -> None:
+    """One warning per process when a CUDA op runs on PyTorch only because the kernel sources
+    are not the validated ones: a slower step must not go unexplained."""
+    global _unvalidated_logged
+    if _unvalidated_logged or mode() != "auto" or op not in _BACKENDS["cuda"].ops:
+        return
+    if op in TRITON_SOURCES or op in NOT_YET_VALIDATED or not any(t.is_cuda for t in tensors):
+        return
+    _unvalidated_logged = True
+    logger.warning(
+        "ControlNet Accelerator kernels: every op of the CUDA extension runs on PyTorch: %s",
+        _UNVALIDATED_NOTE,
+    )
 
 
 def note_fallback(op: str, reason: str) -> None:
@@ -174,7 +194,13 @@ def _why_not(backend: str, op: str, tensors: list[torch.Tensor]) -> str | None:
 def select(op: str, tensors: list[torch.Tensor]) -> str:
     """The backend to run ``op`` on these tensors: forced, else cuda if it can, else eager."""
     forced = getattr(_forced, "name", None)
-    order = [forced] if forced else (["cuda", "eager"] if _cuda_by_default(op) else ["eager"])
+    if forced:
+        order = [forced]
+    elif _cuda_by_default(op):
+        order = ["cuda", "eager"]
+    else:
+        order = ["eager"]
+        _note_unvalidated(op, tensors)
     reasons = []
     for name in order:
         if name == "cuda" and _BACKENDS["cuda"].unavailable is None and op in _BACKENDS["cuda"].ops:
@@ -249,10 +275,7 @@ def list_backends() -> list[dict]:
             entry["used_by_default"] = by_default
             if reason is None and not by_default:
                 entry["note"] = (
-                    "the kernel sources differ from those last validated on a GPU; set "
-                    "CNA_KERNELS=cuda to use them anyway"
-                    if mode() == "auto"
-                    else f"not used (CNA_KERNELS={mode()})"
+                    _UNVALIDATED_NOTE if mode() == "auto" else f"not used (CNA_KERNELS={mode()})"
                 )
         out.append(entry)
     return out

@@ -199,6 +199,9 @@ def test_a_run_records_its_settings_but_no_folders(monkeypatch, tmp_path):
     got = quick.run_settings()
     assert got["CNA_KERNELS"] == "eager" and got["CNA_POOL_GROUPS"] == "0"
     assert "CNA_MODELS_DIR" not in got and "NOT_OURS" not in got
+    # whether the extension's kernels ran, and why not: switched off here
+    assert got["cuda_kernels_by_default"] is False
+    assert "CNA_KERNELS=eager" in got["cuda_kernels_note"]
     monkeypatch.delenv("CNA_KERNELS")
     monkeypatch.setattr(registry, "_mode", None)
     assert quick.run_settings()["CNA_KERNELS"] == "auto"  # the default is recorded too

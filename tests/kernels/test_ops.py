@@ -433,6 +433,43 @@ def test_changed_kernel_sources_are_not_used_by_default(monkeypatch):
         registry.refresh_mode()
 
 
+class _CudaTensorStandIn:
+    """What ``registry.select`` reads of a CUDA tensor, for a machine without a GPU."""
+
+    is_cuda = True
+    device = torch.device("cuda")
+    dtype = torch.float16
+
+
+def test_unvalidated_sources_say_once_that_the_ops_run_on_pytorch(monkeypatch, caplog):
+    """Changed kernel sources turn the CUDA ops off by default; the first op on a CUDA tensor
+    says so in the log, once, with the switch that turns them on."""
+    registry.refresh_mode()
+    monkeypatch.delenv("CNA_KERNELS", raising=False)
+    monkeypatch.setattr(_jit, "_sources_hash", "0" * 16)
+    monkeypatch.setattr(registry, "_unvalidated_logged", False)
+    t = _CudaTensorStandIn()
+    try:
+        with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
+            registry.select("control_merge", [torch.ones(2)])  # a CPU tensor: nothing to say
+            assert not [r for r in caplog.records if "validated" in r.message]
+            assert registry.select("control_merge", [t]) == "eager"
+            assert registry.select("dequant_rows", [t, t, t]) == "eager"
+        warned = [r.message for r in caplog.records if "validated" in r.message]
+        assert len(warned) == 1 and "CNA_KERNELS=cuda" in warned[0]
+        monkeypatch.setattr(registry, "_unvalidated_logged", False)
+        monkeypatch.setattr(_jit, "_sources_hash", registry.VALIDATED_SOURCES)
+        monkeypatch.setenv("CNA_KERNELS", "eager")  # a user's choice: nothing to say either
+        registry.refresh_mode()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ControlNetAccelerator"):
+            assert registry.select("control_merge", [t]) == "eager"
+        assert not [r for r in caplog.records if "validated" in r.message]
+    finally:
+        monkeypatch.delenv("CNA_KERNELS", raising=False)
+        registry.refresh_mode()
+
+
 def test_shipped_kernel_sources_are_the_validated_ones(monkeypatch):
     """The pack ships the kernel sources its GPU tests last passed on; otherwise the automatic
     choice quietly runs every op on PyTorch's path for every user."""
