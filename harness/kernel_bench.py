@@ -117,8 +117,8 @@ def copy_rate() -> float:
 
 
 def _rel(got, ref) -> float:
-    got = got if isinstance(got, (list, tuple)) else [got]
-    ref = ref if isinstance(ref, (list, tuple)) else [ref]
+    got = got if isinstance(got, list | tuple) else [got]
+    ref = ref if isinstance(ref, list | tuple) else [ref]
     num = sum(float((g.double() - r.double()).norm()) ** 2 for g, r in zip(got, ref, strict=True))
     den = sum(float(r.double().norm()) ** 2 for r in ref) or 1.0
     return (num / den) ** 0.5
