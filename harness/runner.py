@@ -147,6 +147,9 @@ class Runner:
         if "decode" in ids:
             image = self.output_of(ids["decode"])[0].float().cpu()
         res = RunResult(latent, image, step_ms, wall, resident, peak_a, peak_r)
+        # how many progress reports the sampler sent: 0 when ComfyUI answered the prompt from its
+        # output cache (the same prompt as the run before) and nothing sampled
+        res.extra["sampler_reports"] = len(marks)
         if self.cuda:
             # the device's memory in use once the prompt is done: every model still held, those
             # in memory PyTorch's allocator does not see (DynamicVRAM's weights) included

@@ -94,3 +94,28 @@ def _captures_need_graphs(request):
             "DynamicVRAM is on: the CUDA Graph node runs eager by design; these run with "
             "CNA_DYNAMIC_VRAM=0"
         )
+
+
+@pytest.fixture(autouse=True)
+def _every_run_samples(request, monkeypatch):
+    """A prompt sent twice in a row to one executor is answered from ComfyUI's output cache: no
+    node runs, and a test comparing the second result with the first compares a tensor with
+    itself. Every run of a host test must sample (the sampler reports progress), unless the
+    test is marked ``cached_rerun`` because the cached answer is what it checks."""
+    if "host" not in request.fixturenames or request.node.get_closest_marker("cached_rerun"):
+        return
+    from comfyui_controlnet_accelerator.harness import runner
+
+    run = runner.Runner.run
+
+    def sampling_run(self, prompt, ids, **kwargs):
+        res = run(self, prompt, ids, **kwargs)
+        if res.extra.get("sampler_reports", 1) == 0:
+            raise AssertionError(
+                "the sampler did not run: ComfyUI answered this prompt from its output cache "
+                "(the same prompt as the run before on this executor); change the seed, or mark "
+                "the test cached_rerun if the cached answer is what it checks"
+            )
+        return res
+
+    monkeypatch.setattr(runner.Runner, "run", sampling_run)

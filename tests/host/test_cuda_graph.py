@@ -57,6 +57,13 @@ def _same(host, a, b):
         assert runner.psnr(a.latent, b.latent) >= MIN_PSNR_GPU, runner.psnr(a.latent, b.latent)
 
 
+def _replayed(host, res):
+    """The run's steps ran in graphs: equal to stock is not enough, eager is equal too. (Where
+    DynamicVRAM is on, the node may hand the model on instead: test_dynamic_vram.py.)"""
+    if not host.dynamic_vram:
+        assert badges.graph_counts(res)["replays"] > 0, badges.graph_counts(res)
+
+
 GRAPH = VARIANTS["cuda_graph"]
 CASES = {
     "0cn": wf.WORKLOADS["T0"],
@@ -169,6 +176,7 @@ def test_alternating_workflows_on_one_model(host, tiny_models):
         graph, _, _ = _run(r, wl, 4, GRAPH)
         stock, _, _ = _run(r, wl, 4)
         _same(host, stock, graph)
+        _replayed(host, graph)
 
 
 def test_capture_failure_falls_back_to_eager_with_reason(host, tiny_models, monkeypatch, caplog):
@@ -231,6 +239,7 @@ def test_interrupted_run_then_next_run_still_matches(host, tiny_models):
     graph, _, _ = _run(r, wl, 13, GRAPH)
     stock, _, _ = _run(r, wl, 13)
     _same(host, stock, graph)
+    _replayed(host, graph)
 
 
 def test_a_model_that_cannot_be_captured_runs_stocks_step_untouched(host, tiny_models, monkeypatch):
@@ -272,6 +281,7 @@ def test_models_unloaded_and_reloaded_between_runs(host, tiny_models):
     graph, _, _ = _run(r, wl, 2 + 1, GRAPH)
     stock, _, _ = _run(r, wl, 2 + 1)
     _same(host, stock, graph)
+    _replayed(host, graph)
 
 
 def test_graphs_on_weights_moved_between_runs_are_dropped_as_the_next_run_starts(
@@ -484,8 +494,12 @@ def test_controlnets_on_a_second_stream_match_stock(host, tiny_models, case):
     d, m = badges.graph_counts(conc), _delta(before, _model(r))
     _same(host, stock, conc)
     assert d["captures"] >= 1 and d["replays"] >= 15 and m["failed"] == 0, (d, m)
-    again, _, _ = _run(r, wl, 22, VARIANTS["fused+graph_cc"])  # replays, same result
-    assert torch.equal(again.latent, conc.latent)
+    # a second run (another seed: the same prompt would be answered from ComfyUI's output
+    # cache) replays the graphs, and gives stock's result for its seed
+    again, _, _ = _run(r, wl, 23, VARIANTS["fused+graph_cc"])
+    d = badges.graph_counts(again)
+    assert d["captures"] == 0 and d["replays"] >= 15, d
+    _same(host, _run(r, wl, 23)[0], again)
 
 
 def test_side_stream_residuals_live_until_the_unet_has_read_them(host, tiny_models, monkeypatch):

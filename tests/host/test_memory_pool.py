@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from comfyui_controlnet_accelerator.harness import runner
+from comfyui_controlnet_accelerator.harness import badges, runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS, _memory_pool
 
@@ -17,9 +17,10 @@ pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
 
 T1 = wf.WORKLOADS["T1"]
 T2 = wf.WORKLOADS["T2"]
-# INT8 weights change the result a little; on these tiny random models the latent stays
-# above 50 dB (measured 54–56); 35 dB is the fidelity floor for the real shapes.
-MIN_PSNR = 35.0
+# INT8 weights change the result a little: on these tiny random models the latent stays at
+# 54–56 dB (measured), so 50 dB here catches an error several times larger. The floor the
+# docs promise for the real shapes (35 dB) is the benchmark's to check.
+MIN_PSNR = 50.0
 
 
 def _mp(host):
@@ -32,7 +33,7 @@ def _run(r, wl, variant, seed=5, **kw):
     hints = wf.write_hint_images(folder_paths.get_input_directory(), wl)
     extra = VARIANTS[variant] if isinstance(variant, str) else variant
     p, ids = wf.build_prompt(wl, seed, hints, extra)
-    return r.run(p, ids, **kw)
+    return badges.run(r, p, ids, **kw)
 
 
 def _patch(mp, m):
@@ -310,6 +311,7 @@ def test_works_with_the_fused_apply_and_cuda_graph(host, tiny_models):
     r = runner.Runner()
     eager = _run(r, T2, "pool_int8_offload")
     graph = _run(r, T2, "pool_int8_offload+graph")
+    assert badges.graph_counts(graph)["replays"] > 0  # the steps ran in graphs
     if host.cpu:
         assert torch.equal(graph.latent, eager.latent)
     else:
@@ -330,11 +332,19 @@ def test_streamed_controlnet_weights_give_the_stock_result_exactly(host, tiny_mo
     with pf.counting() as got, pf.lanes_on_cpu() if host.cpu else contextlib.nullcontext():
         eager = _run(r, T2, "pool_cn_stream")
         graph = _run(r, T2, "pool_cn_stream+graph")
-        again = _run(r, T2, "pool_cn_stream+graph")
+        # the graphs replayed by a second run (another seed: the same prompt would be answered
+        # from ComfyUI's output cache)
+        again = _run(r, T2, "pool_cn_stream+graph", seed=6)
         everything = _run(r, T2, "pool_stream_all")  # the UNet streamed too
     assert got["used"] > got["wasted"] >= 0, got
-    for res in (eager, graph, again, everything):
+    for res in (eager, graph, everything):
         assert torch.equal(res.latent, stock.latent)
+    if host.cpu or badges.graph_counts(graph)["captures"] > 0:
+        # graphs in use (on a GPU, not where DynamicVRAM has the node hand the model on): the
+        # second run only replays them
+        assert badges.graph_counts(graph)["captures"] > 0
+        g = badges.graph_counts(again)
+        assert g["captures"] == 0 and g["replays"] > 0, g
     # the ControlNet's large weights are not in VRAM, and ComfyUI is told the smaller size
     wc = sys.modules[host.pack_module_name].memory.weight_compress
     compat = sys.modules[host.pack_module_name].nodes.compat
@@ -368,6 +378,9 @@ def test_streamed_controlnet_weights_give_the_stock_result_exactly(host, tiny_mo
         else:
             assert p.model_size() == mm.module_size(p.model)  # what the loaded tree holds
     assert seen >= 1
+    # the second graph run's result is stock's for its seed too (run last: a stock prompt
+    # takes the streamed networks out of the loaded models)
+    assert torch.equal(again.latent, _run(r, T2, None, seed=6).latent)
 
 
 def test_a_model_loaded_on_the_gpu_is_unloaded_before_compressing(host, tiny_models):
@@ -478,10 +491,11 @@ def test_models_unloaded_between_pooled_runs(host, tiny_models):
     import comfy.model_management
 
     r = runner.Runner()
-    first = _run(r, T2, "pool_int8")
+    _run(r, T2, "pool_int8")
     comfy.model_management.unload_all_models()
     comfy.model_management.soft_empty_cache()
-    _same(host, first, _run(r, T2, "pool_int8"))
+    # another seed, or ComfyUI would answer from its output cache without sampling
+    _same(host, _run(runner.Runner(), T2, "pool_int8", seed=6), _run(r, T2, "pool_int8", seed=6))
     _same(host, _run(runner.Runner(), T2, None), _run(r, T2, None))
 
 
