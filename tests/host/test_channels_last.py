@@ -82,9 +82,9 @@ def test_channels_last_matches_and_puts_the_weights_back(host, tiny_models):
     else:
         assert runner.psnr(plain.latent, cl.latent) >= 45.0
     after = {id(w): (p, s, c) for w, p, s, c in _conv_weights()}
+    assert all(id(w) in after for w, *_ in before)  # still loaded: each one is checked
     for w, p, s, c in before:
-        if id(w) in after:
-            assert after[id(w)] == (p, s, c)  # same storage, same values, NCHW again
+        assert after[id(w)] == (p, s, c)  # same storage, same values, NCHW again
 
 
 @pytest.mark.captures  # the option acts inside the graphs, which DynamicVRAM turns off
@@ -111,9 +111,9 @@ def test_interrupted_run_still_puts_the_weights_back(host, tiny_models):
     assert len(layouts) == 2  # stopped inside sampling, at step 2
     assert any(layouts), "the weights were never channels-last during the run"
     after = {id(w): (p, s, c) for w, p, s, c in _conv_weights()}
+    assert all(id(w) in after for w, *_ in before)  # still loaded: each one is checked
     for w, p, s, c in before:
-        if id(w) in after:
-            assert after[id(w)] == (p, s, c)
+        assert after[id(w)] == (p, s, c)
 
 
 @pytest.mark.captures  # the option acts inside the graphs, which DynamicVRAM turns off

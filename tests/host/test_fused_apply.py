@@ -84,6 +84,9 @@ def test_fused_with_cuda_graph_matches_stock(host, tiny_models):
         stock = _run(r, wl, 41)
         both = _run(r, wl, 41, VARIANTS["fused+graph"])
         _close(host, stock, both)
+        # both ran: the steps in graphs, the ControlNets through the fused merge
+        assert badges.graph_counts(both)["replays"] > 0
+        assert _fused_figures(both)["fused_merges"] >= 1
 
 
 def test_stock_apply_then_fused_apply_chain(host, tiny_models):
@@ -97,6 +100,8 @@ def test_stock_apply_then_fused_apply_chain(host, tiny_models):
     stock = _run(r, wl, 42)
     mixed = _run(r, wl, 42, outer_fused)
     _close(host, stock, mixed)
+    st = _fused_figures(mixed)
+    assert st["fused_merges"] >= 1 and st["hint_encodes"] == 1, st  # the outer net fused
 
 
 def test_a_first_kernel_build_shows_as_progress_before_sampling(
@@ -167,7 +172,7 @@ def test_strength_zero_returns_conditioning_untouched(host, tiny_models):
     assert out.result[0] is pos and out.result[1] is neg
 
 
-def test_unsupported_kind_runs_stock_path_with_one_log_line(host, tiny_models, caplog):
+def test_unsupported_kind_runs_stock_path_with_one_log_line(host, tiny_models, caplog, monkeypatch):
     import comfy.controlnet
 
     fa = _fa(host)
@@ -183,12 +188,13 @@ def test_unsupported_kind_runs_stock_path_with_one_log_line(host, tiny_models, c
     assert fa.why_not_fusable(cn) is None
     pos, neg = [[torch.zeros(1, 77, 768), {}]], [[torch.zeros(1, 77, 768), {}]]
     img = torch.rand(1, 64, 64, 3)
+    monkeypatch.setattr(fa, "_logged", set())  # as in a fresh process
     with caplog.at_level("INFO", logger="ControlNetAccelerator"):
         p1, n1 = fa.apply_fused(pos, neg, other, img, 1.0, 0.0, 1.0)
         fa.apply_fused(pos, neg, other, img, 1.0, 0.0, 1.0)
     assert type(p1[0][1]["control"]) is comfy.controlnet.ControlNet  # stock's own copy()
     assert p1[0][1]["control"] is n1[0][1]["control"]
-    assert sum("runs the stock path" in r.message for r in caplog.records) <= 1
+    assert sum("runs the stock path" in r.message for r in caplog.records) == 1
 
 
 def test_the_network_comfyui_holds_is_never_modified(host, tiny_models, monkeypatch):
@@ -320,3 +326,5 @@ def test_positive_only_changes_nothing_without_a_negative_batch(host, tiny_model
     stock = _run(r, wl, 52)
     got = _run(r, wl, 52, _positive_only)
     _close(host, stock, got)
+    st = _fused_figures(got)
+    assert st["fused_merges"] >= 1 and st["positive_only"] == 0, st

@@ -66,6 +66,5 @@ def test_two_processes_build_the_extension_at_once(tmp_path):
     for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
         assert "BUILT cna_kernels_" in out
-    # torch's lock serialised them: one compiled, the other found the finished build
-    assert sum("compiling CUDA kernels" in o for o in outs) >= 1
+    # torch's lock serialised them: both built into one folder, one library left, loaded by both
     assert len(list((tmp_path / "kcache").glob("*/cna_kernels_*.so"))) == 1
