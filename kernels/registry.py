@@ -60,8 +60,8 @@ _MODES = ("auto", "cuda", "eager")
 _mode: str | None = None  # CNA_KERNELS, read once (``refresh_mode`` re-reads it)
 _fallbacks_logged: set[tuple[str, str]] = set()  # bounded: one entry per op and limit reason
 _UNVALIDATED_NOTE = (
-    "the kernel sources differ from those last validated on a GPU; set CNA_KERNELS=cuda to use "
-    "them anyway"
+    "the kernel sources differ from those last validated on a GPU; reinstall the pack for the "
+    "validated ones, or set CNA_KERNELS=cuda to use these anyway"
 )
 _unvalidated_logged = False
 
@@ -121,9 +121,9 @@ def _note_unvalidated(op: str, tensors: list[torch.Tensor]) -> None:
     """One warning per process when a CUDA op runs on PyTorch only because the kernel sources
     are not the validated ones: a slower step must not go unexplained."""
     global _unvalidated_logged
-    if _unvalidated_logged or mode() != "auto" or op not in _BACKENDS["cuda"].ops:
+    if _unvalidated_logged or op in TRITON_SOURCES or op not in _BACKENDS["cuda"].ops:
         return
-    if op in TRITON_SOURCES or op in NOT_YET_VALIDATED or not any(t.is_cuda for t in tensors):
+    if mode() != "auto" or _sources_validated() or not any(t.is_cuda for t in tensors):
         return
     _unvalidated_logged = True
     logger.warning(
