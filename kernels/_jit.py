@@ -8,6 +8,10 @@
 - Cached in ``$CNA_KERNELS_CACHE`` (default: torch's extensions folder), in a folder keyed by a
   hash of the sources, flags, Python/torch/CUDA versions and the architecture; a changed
   parameter builds a new folder and the log says what changed.
+- Compiler jobs: each nvcc front end holds about 3 GB, so unless ``$MAX_JOBS`` says otherwise a
+  build runs only as many at once as the memory available leaves room for (at least one; the
+  log says when that is fewer than torch would start), so a first build does not push the
+  machine, and ComfyUI with it, out of memory.
 - Two processes building at once: torch's file lock serialises them; a lock left by a crashed
   build (older than ``STALE_LOCK_S``) is removed with a warning.
 - One status line before a first build, its duration after. A caller may ask for the build's
@@ -60,6 +64,8 @@ NVCC_FLAGS = [
 ]
 STALE_LOCK_S = 15 * 60
 PROGRESS_POLL_S = 0.5  # how often a reported build looks for finished object files
+JOB_BYTES = 3 << 30  # one nvcc front end on these sources with torch's headers, at its peak
+BUILD_RESERVE_BYTES = 2 << 30  # left free for everything else while the build runs
 
 _lock = threading.Lock()
 _module = None
@@ -126,6 +132,33 @@ def build_params(arch: str) -> dict:
     }
 
 
+def available_memory_bytes() -> int | None:
+    """Memory available to new processes without swapping (Linux's MemAvailable), or None
+    where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def build_jobs(available: int | None = None, cpus: int | None = None) -> int | None:
+    """How many compiler jobs a build may run at once, or None to leave it to torch (``$MAX_JOBS``
+    set, or the available memory unknown). Never more than one per source or per CPU, never
+    fewer than one."""
+    if os.environ.get("MAX_JOBS"):
+        return None
+    available = available_memory_bytes() if available is None else available
+    if available is None:
+        return None
+    cpus = cpus or os.cpu_count() or 1
+    fits = (available - BUILD_RESERVE_BYTES) // JOB_BYTES
+    return int(max(1, min(len(SOURCES), cpus, fits)))
+
+
 def cache_root() -> Path:
     env = os.environ.get("CNA_KERNELS_CACHE")
     if env:
@@ -184,8 +217,17 @@ def build(
             build_dir,
         )
     t0 = time.perf_counter()
-    prev_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    prev_env = {k: os.environ.get(k) for k in ("TORCH_CUDA_ARCH_LIST", "MAX_JOBS")}
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    jobs = build_jobs() if fresh else None
+    if jobs is not None:
+        os.environ["MAX_JOBS"] = str(jobs)
+        if jobs < min(len(SOURCES), os.cpu_count() or 1):
+            logger.info(
+                "ControlNet Accelerator: %d compiler job(s) at once, as the free memory allows "
+                "(set MAX_JOBS to choose)",
+                jobs,
+            )
     load = functools.partial(
         cpp_extension.load,
         name=name,
@@ -200,10 +242,11 @@ def build(
     try:
         mod = _load_reporting(load, build_dir, on_progress) if fresh and on_progress else load()
     finally:
-        if prev_arch is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = prev_arch
+        for k, v in prev_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if fresh:
         logger.info(
             "ControlNet Accelerator: CUDA kernels built in %.1f s", time.perf_counter() - t0

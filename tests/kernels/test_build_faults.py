@@ -103,6 +103,45 @@ def test_a_failing_reported_build_raises_its_error_and_a_broken_bar_never_stops_
         _jit.build("8.9", on_progress=lambda d, t: None)  # another arch: a fresh build
 
 
+def test_compiler_jobs_fit_the_free_memory_unless_max_jobs_says(monkeypatch):
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    gib, n = 1 << 30, len(_jit.SOURCES)
+    assert n >= 2  # otherwise the cap below could not show
+    assert _jit.build_jobs(available=128 * gib, cpus=64) == n  # one per source at most
+    assert _jit.build_jobs(available=128 * gib, cpus=2) == 2  # one per CPU at most
+    assert _jit.build_jobs(available=_jit.BUILD_RESERVE_BYTES + 2 * _jit.JOB_BYTES, cpus=64) == 2
+    assert _jit.build_jobs(available=1 * gib, cpus=64) == 1  # never none
+    monkeypatch.setenv("MAX_JOBS", "7")
+    assert _jit.build_jobs(available=1 * gib, cpus=64) is None  # the user's choice stands
+
+
+def test_a_fresh_build_runs_the_jobs_that_fit_and_puts_max_jobs_back(
+    monkeypatch, standin_compiler, caplog
+):
+    from torch.utils import cpp_extension
+
+    module, _ = standin_compiler(_jit, step_s=0.0)
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.setattr(_jit, "available_memory_bytes", lambda: _jit.BUILD_RESERVE_BYTES + 1)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    seen = []
+    standin = cpp_extension.load
+
+    def load(**kw):
+        seen.append(os.environ.get("MAX_JOBS"))
+        return standin(**kw)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    with caplog.at_level("INFO"):
+        assert _jit.build("9.0") is module
+    assert seen == ["1"] and "MAX_JOBS" not in os.environ
+    assert any("1 compiler job(s) at once" in r.getMessage() for r in caplog.records)
+
+    monkeypatch.setenv("MAX_JOBS", "3")  # set by the user: passed on as it is, and kept
+    assert _jit.build("8.9") is module
+    assert seen == ["1", "3"] and os.environ["MAX_JOBS"] == "3"
+
+
 def test_prepare_cuda_builds_only_where_the_ops_would_use_the_kernels(monkeypatch):
     from comfyui_controlnet_accelerator import kernels
     from comfyui_controlnet_accelerator.kernels import registry
