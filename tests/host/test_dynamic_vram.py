@@ -20,7 +20,7 @@ from comfyui_controlnet_accelerator.harness import badges, runner
 from comfyui_controlnet_accelerator.harness import workflows as wf
 from comfyui_controlnet_accelerator.harness.quick import VARIANTS
 
-pytestmark = [pytest.mark.host, pytest.mark.usefixtures("graph_backend")]
+pytestmark = [pytest.mark.host, pytest.mark.cuda, pytest.mark.usefixtures("graph_backend")]
 
 
 @pytest.fixture
