@@ -95,6 +95,9 @@ def test_default_tiles_cover_every_token_count():
         assert cfg.bk % 16 == 0 and cfg.bn >= 64 and cfg.warps in (4, 8)
         seen.add(cfg)
     assert len(seen) == 4  # a tile per token-count class
+    # bfloat16's square tile keeps 4 warps (see default_config), float16's has 8
+    assert int8_matmul.default_config(2048, 10240, 1280, torch.bfloat16).warps == 4
+    assert int8_matmul.default_config(2048, 10240, 1280, torch.float16).warps == 8
 
 
 def test_a_changed_kernel_source_is_not_used_by_default(monkeypatch):
@@ -243,6 +246,21 @@ def test_cuda_kernel_matches_the_reference(dtype, shape):
         rel, rel_exp = _rel(y, ref), _rel(expanded, ref)
         assert rel <= TOL[dtype], (shape, rel)
         assert rel <= rel_exp * 1.5 + 1e-4, (shape, rel, rel_exp)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_kernel_gives_the_same_finite_result_call_after_call(dtype):
+    """The large tile, called again and again on one input: every output finite and equal to
+    the first (8-warp bfloat16 code wrote non-finite values now and then: default_config)."""
+    _cuda_ready()
+    x, q, scale, b = _inputs(2048, 10240, 1280, dtype, "cuda", 12292, False)
+    with kernels.use_backend("cuda"):
+        first = kernels.int8_linear(x, q, scale, b)
+        assert torch.isfinite(first).all()
+        assert _rel(first, _ref(x, q, scale, b)) <= TOL[dtype]
+        for _ in range(12):
+            assert torch.equal(kernels.int8_linear(x, q, scale, b), first)
 
 
 @pytest.mark.cuda
