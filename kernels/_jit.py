@@ -47,9 +47,6 @@ SOURCES = [
     "ops/control_merge.cu",
     "ops/quant_int8.cu",
     "ops/group_norm_silu.cu",
-    # No op of the pack calls this kernel any more (compiled mode's GroupNorm is inductor's);
-    # it leaves the extension with the next change of these sources, which needs the GPU tests.
-    "ops/group_norm_nhwc.cu",
     "ops/graph_if.cu",
 ]
 HEADERS = ["common.cuh"]

@@ -18,8 +18,6 @@ void dequant_rows_multi_(const torch::Tensor& out, const std::vector<torch::Tens
                          const std::vector<torch::Tensor>& scales);
 torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weight,
                               const torch::Tensor& bias, int64_t groups, double eps);
-torch::Tensor group_norm_nhwc(const torch::Tensor& x, const torch::Tensor& weight,
-                              const torch::Tensor& bias, int64_t groups, double eps, bool silu);
 bool graph_if_supported();
 void graph_if_begin(const torch::Tensor& pred, int64_t pool_a, int64_t pool_b);
 void graph_if_end();
@@ -36,7 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_rows_multi_", &cna::dequant_rows_multi_,
         "dequant_rows_ of several weights into one flat out, one launch");
   m.def("group_norm_silu", &cna::group_norm_silu, "SiLU(GroupNorm(x))");
-  m.def("group_norm_nhwc", &cna::group_norm_nhwc, "GroupNorm(x) [+ SiLU], x channels-last");
   m.def("graph_if_supported", &cna::graph_if_supported, "built with CUDA graph IF nodes (12.4+)");
   m.def("graph_if_begin", &cna::graph_if_begin,
         "capture what follows into an IF node of the graph being captured, run when pred");

@@ -14,10 +14,11 @@
 // true for SD shapes); otherwise a scalar loop. Accumulation in fp32, one rounding at the end.
 // Memory-bound: (N + 1) reads (+1 for accumulate) and one write per element.
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -85,8 +86,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-static void launch(const std::vector<torch::Tensor>& residuals, const torch::Tensor& strengths,
-                   const std::vector<torch::Tensor>& outs, int64_t num_nets, bool accumulate) {
+static void launch(const std::vector<at::Tensor>& residuals, const at::Tensor& strengths,
+                   const std::vector<at::Tensor>& outs, int64_t num_nets, bool accumulate) {
   const int64_t slots = static_cast<int64_t>(outs.size());
   CNA_CHECK(num_nets >= 1 && num_nets <= kMaxNets, "control_merge: num_nets must be 1..%d, got %lld",
             kMaxNets, static_cast<long long>(num_nets));
@@ -156,21 +157,21 @@ static void launch(const std::vector<torch::Tensor>& residuals, const torch::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::vector<torch::Tensor> control_merge(const std::vector<torch::Tensor>& residuals,
-                                         const torch::Tensor& strengths, int64_t num_nets) {
+std::vector<at::Tensor> control_merge(const std::vector<at::Tensor>& residuals,
+                                         const at::Tensor& strengths, int64_t num_nets) {
   TORCH_CHECK(num_nets >= 1 && !residuals.empty() && residuals.size() % num_nets == 0,
               "control_merge: residuals must hold num_nets * slots tensors");
   const int64_t slots = static_cast<int64_t>(residuals.size()) / num_nets;
-  std::vector<torch::Tensor> outs;
+  std::vector<at::Tensor> outs;
   outs.reserve(slots);
-  for (int64_t k = 0; k < slots; ++k) outs.push_back(torch::empty_like(residuals[k]));
+  for (int64_t k = 0; k < slots; ++k) outs.push_back(at::empty_like(residuals[k]));
   launch(residuals, strengths, outs, num_nets, false);
   return outs;
 }
 
-void control_merge_add_(const std::vector<torch::Tensor>& hidden,
-                        const std::vector<torch::Tensor>& residuals,
-                        const torch::Tensor& strengths) {
+void control_merge_add_(const std::vector<at::Tensor>& hidden,
+                        const std::vector<at::Tensor>& residuals,
+                        const at::Tensor& strengths) {
   TORCH_CHECK(!hidden.empty() && residuals.size() % hidden.size() == 0,
               "control_merge_add_: residuals must hold num_nets * len(hidden) tensors");
   const int64_t num_nets = static_cast<int64_t>(residuals.size() / hidden.size());

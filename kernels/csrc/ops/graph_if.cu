@@ -22,11 +22,13 @@
 // The body must not allocate under cudaMallocAsync (a conditional body cannot hold memory
 // allocation nodes) nor synchronise. Begin/end pairs nest (a stack per thread).
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
 
 #include <cuda_runtime.h>
 
@@ -110,7 +112,7 @@ void graph_if_warm(int64_t device_index) {
   warm.push_back(device);
 }
 
-void graph_if_begin(const torch::Tensor& pred, int64_t pool_a, int64_t pool_b) {
+void graph_if_begin(const at::Tensor& pred, int64_t pool_a, int64_t pool_b) {
   CNA_CHECK(pred.is_cuda() && pred.scalar_type() == at::kBool && pred.numel() == 1,
             "graph_if_begin: pred must be a one-element bool CUDA tensor");
   const c10::DeviceIndex device = pred.get_device();
@@ -184,7 +186,7 @@ bool graph_if_supported() { return false; }
 
 void graph_if_warm(int64_t) {}
 
-void graph_if_begin(const torch::Tensor&, int64_t, int64_t) {
+void graph_if_begin(const at::Tensor&, int64_t, int64_t) {
   CNA_CHECK(false, "graph_if_begin: CUDA graph IF nodes need CUDA 12.4 or newer");
 }
 

@@ -17,10 +17,12 @@
 // Accumulation is fp32 Welford throughout (as PyTorch's GroupNorm), so a large mean does not
 // cancel the variance.
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -156,8 +158,8 @@ __global__ void gn_apply_kernel(const T* __restrict__ x, T* __restrict__ y,
   }
 }
 
-torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weight,
-                              const torch::Tensor& bias, int64_t groups, double eps) {
+at::Tensor group_norm_silu(const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& bias, int64_t groups, double eps) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous() && x.dim() >= 2,
               "group_norm_silu: x must be a contiguous CUDA tensor (B, C, ...)");
   const int64_t B = x.size(0), C = x.size(1);
@@ -168,7 +170,7 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weigh
                   bias.scalar_type() == x.scalar_type() && weight.is_contiguous() &&
                   bias.is_contiguous(),
               "group_norm_silu: weight and bias must be contiguous (C,) CUDA tensors of x's dtype");
-  auto y = torch::empty_like(x);
+  auto y = at::empty_like(x);
   const int64_t n = x.numel();
   if (n == 0) return y;
   const int64_t hw = n / (B * C);
@@ -182,10 +184,10 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, const torch::Tensor& weigh
   const int64_t chunk = ((group_size + chunks - 1) / chunks + 15) / 16 * 16;
   chunks = (group_size + chunk - 1) / chunk;
   const c10::cuda::CUDAGuard guard(x.device());
-  auto opts = x.options().dtype(torch::kFloat);
-  auto partial = torch::empty({ngroups, chunks, 3}, opts);
-  auto mean = torch::empty({ngroups}, opts);
-  auto rstd = torch::empty({ngroups}, opts);
+  auto opts = x.options().dtype(at::kFloat);
+  auto partial = at::empty({ngroups, chunks, 3}, opts);
+  auto mean = at::empty({ngroups}, opts);
+  auto rstd = at::empty({ngroups}, opts);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int sms = sm_count();
   const dim3 sgrid(static_cast<unsigned>(ngroups), static_cast<unsigned>(chunks));

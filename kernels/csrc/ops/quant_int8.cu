@@ -13,10 +13,11 @@
 // (fp32) int8 accesses whenever HW is a multiple of the vector width (always at SD shapes);
 // scalar otherwise. Strength is a device scalar (no recapture on change).
 
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -108,14 +109,14 @@ __global__ void dequant_add_kernel(T* __restrict__ h, const int8_t* __restrict__
   }
 }
 
-std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x) {
+std::vector<at::Tensor> quantize_int8(const at::Tensor& x) {
   TORCH_CHECK(x.is_cuda(), "quantize_int8: x must be a CUDA tensor");
   CNA_CHECK(x.dim() >= 2, "quantize_int8: x must be (B, C, ...), got %lld dims",
             static_cast<long long>(x.dim()));
   TORCH_CHECK(x.is_contiguous(), "quantize_int8: x must be contiguous");
   const c10::cuda::CUDAGuard guard(x.device());
-  auto q = torch::empty(x.sizes(), x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({x.size(0), x.size(1)}, x.options().dtype(torch::kFloat));
+  auto q = at::empty(x.sizes(), x.options().dtype(at::kChar));
+  auto scale = at::empty({x.size(0), x.size(1)}, x.options().dtype(at::kFloat));
   const int64_t planes = x.size(0) * x.size(1);
   if (planes == 0) return {q, scale};
   const int64_t plane = x.numel() / planes;
@@ -151,8 +152,8 @@ std::vector<torch::Tensor> quantize_int8(const torch::Tensor& x) {
   return {q, scale};
 }
 
-void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::Tensor& scale,
-                  const torch::Tensor& strength) {
+void dequant_add_(const at::Tensor& h, const at::Tensor& q, const at::Tensor& scale,
+                  const at::Tensor& strength) {
   TORCH_CHECK(h.is_cuda() && q.is_cuda() && scale.is_cuda() && strength.is_cuda(),
               "dequant_add_: all tensors must be on CUDA");
   TORCH_CHECK(h.device() == q.device() && h.device() == scale.device() &&
@@ -160,12 +161,12 @@ void dequant_add_(const torch::Tensor& h, const torch::Tensor& q, const torch::T
               "dequant_add_: all tensors must be on one device");
   TORCH_CHECK(h.is_contiguous() && q.is_contiguous() && scale.is_contiguous(),
               "dequant_add_: h, q and scale must be contiguous");
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.sizes() == h.sizes(),
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.sizes() == h.sizes(),
               "dequant_add_: q must be int8 with h's shape");
-  TORCH_CHECK(h.dim() >= 2 && scale.scalar_type() == torch::kFloat &&
+  TORCH_CHECK(h.dim() >= 2 && scale.scalar_type() == at::kFloat &&
                   scale.numel() == h.size(0) * h.size(1),
               "dequant_add_: scale must be float32 (B, C)");
-  TORCH_CHECK(strength.scalar_type() == torch::kFloat && strength.numel() == 1,
+  TORCH_CHECK(strength.scalar_type() == at::kFloat && strength.numel() == 1,
               "dequant_add_: strength must be a float32 scalar tensor");
   const int64_t n = h.numel();
   if (n == 0) return;
@@ -260,12 +261,12 @@ __global__ void dequant_rows_kernel(T* __restrict__ out, const int8_t* __restric
     out[e] = from_float<T>(static_cast<float>(q[e]) * scale[e / k]);
 }
 
-void dequant_rows_(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scale) {
+void dequant_rows_(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(q.is_cuda() && scale.is_cuda() && q.device() == scale.device(),
               "dequant_rows_: q and scale must be on one CUDA device");
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() >= 1,
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() >= 1,
               "dequant_rows_: q must be contiguous int8");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() &&
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
                   scale.numel() == q.size(0),
               "dequant_rows_: scale must be contiguous float32 with one value per row");
   TORCH_CHECK(out.device() == q.device() && out.is_contiguous() && out.sizes() == q.sizes(),
@@ -372,8 +373,8 @@ __global__ void dequant_rows_multi_kernel(T* __restrict__ out, const DqSegments 
   }
 }
 
-void dequant_rows_multi_(const torch::Tensor& out, const std::vector<torch::Tensor>& qs,
-                         const std::vector<torch::Tensor>& scales) {
+void dequant_rows_multi_(const at::Tensor& out, const std::vector<at::Tensor>& qs,
+                         const std::vector<at::Tensor>& scales) {
   TORCH_CHECK(qs.size() == scales.size(), "dequant_rows_multi_: one scale per weight");
   TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 1,
               "dequant_rows_multi_: out must be a contiguous 1-D CUDA tensor");
@@ -387,9 +388,9 @@ void dequant_rows_multi_(const torch::Tensor& out, const std::vector<torch::Tens
     const auto& sc = scales[i];
     TORCH_CHECK(q.device() == out.device() && sc.device() == out.device(),
                 "dequant_rows_multi_: every tensor must be on out's device");
-    TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.is_contiguous() && q.dim() >= 1,
+    TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() && q.dim() >= 1,
                 "dequant_rows_multi_: every weight must be contiguous int8");
-    TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.is_contiguous() &&
+    TORCH_CHECK(sc.scalar_type() == at::kFloat && sc.is_contiguous() &&
                     sc.numel() == q.size(0),
                 "dequant_rows_multi_: every scale must be contiguous float32, one per row");
     const int64_t n = q.numel();
