@@ -51,10 +51,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.float16) -
     """The tile for an (M tokens, N outputs, K inputs) call: narrow in M for few tokens (the
     weight read dominates), square 128 tiles for the large token counts of 512²–1024² images.
 
-    bfloat16 keeps 4 warps on the square tile: with 8, the code Triton 3.6 generates for the
-    int8 → bfloat16 operand on Hopper now and then wrote non-finite values (a few calls in ten
-    at 2048×10240×1280 on an H100, at any pipeline depth); float16's does not, nor does 4-warp
-    bfloat16 code."""
+    bfloat16 keeps 4 warps on the square tile: with 8 (Triton 3.6, an H100) the kernel now and
+    then wrote non-finite values in bfloat16, not the same calls from one run to the next (4 of
+    12 calls at 2048×10240×1280, with 3 or 4 pipeline stages); float16 with 8 warps and
+    bfloat16 with 4 did not."""
     if m <= 32:
         return Config(64, 32, 128, 4, 4)
     if m <= 64:
