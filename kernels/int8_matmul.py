@@ -52,9 +52,9 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.float16) -
     weight read dominates), square 128 tiles for the large token counts of 512²–1024² images.
 
     bfloat16 keeps 4 warps on the square tile: with 8 (Triton 3.6, an H100) the kernel now and
-    then wrote non-finite values in bfloat16, not the same calls from one run to the next (4 of
-    12 calls at 2048×10240×1280, with 3 or 4 pipeline stages); float16 with 8 warps and
-    bfloat16 with 4 did not."""
+    then wrote wrong values in bfloat16, non-finite or far off, not in the same calls from one
+    run to the next (4 of 12 calls at 2048×10240×1280, with 3 or 4 pipeline stages); float16
+    with 8 warps and bfloat16 with 4 did not."""
     if m <= 32:
         return Config(64, 32, 128, 4, 4)
     if m <= 64:
