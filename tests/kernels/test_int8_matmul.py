@@ -252,7 +252,7 @@ def test_cuda_kernel_matches_the_reference(dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_kernel_gives_the_same_finite_result_call_after_call(dtype):
     """The large tile, called again and again on one input: every output finite and equal to
-    the first (8-warp bfloat16 code wrote non-finite values now and then: default_config)."""
+    the first (8-warp bfloat16 code now and then wrote wrong values: default_config)."""
     _cuda_ready()
     x, q, scale, b = _inputs(2048, 10240, 1280, dtype, "cuda", 12292, False)
     with kernels.use_backend("cuda"):
