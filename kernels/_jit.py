@@ -8,7 +8,7 @@
 - Cached in ``$CNA_KERNELS_CACHE`` (default: torch's extensions folder), in a folder keyed by a
   hash of the sources, flags, Python/torch/CUDA versions and the architecture; a changed
   parameter builds a new folder and the log says what changed.
-- Compiler jobs: each holds up to about 4 GB (nvcc and its children), so unless ``$MAX_JOBS``
+- Compiler jobs: each holds up to about 3 GB (nvcc and its children), so unless ``$MAX_JOBS``
   says otherwise a build runs only as many at once as the available memory leaves room for (at
   least one; the log says when that is fewer than torch would start), so a first build does
   not push the machine, and ComfyUI with it, out of memory.
@@ -61,7 +61,7 @@ NVCC_FLAGS = [
 ]
 STALE_LOCK_S = 15 * 60
 PROGRESS_POLL_S = 0.5  # how often a reported build looks for finished object files
-JOB_BYTES = 4 << 30  # one compiler job on these sources (nvcc and its children), at its peak
+JOB_BYTES = 3 << 30  # one compiler job on these sources (nvcc and its children), at its peak
 BUILD_RESERVE_BYTES = 2 << 30  # left free for everything else while the build runs
 
 _lock = threading.Lock()
